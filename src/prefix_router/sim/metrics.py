@@ -1,0 +1,120 @@
+"""`/metrics` for one backend, under vLLM's own metric names, types and labels.
+
+Names follow vLLM v1 (https://docs.vllm.ai/en/latest/design/metrics.html): labels `model_name` and
+`engine` ("0", one engine per server), `finished_reason` on request_success. The collector reads the
+backend's counters at scrape time, so requests pay nothing for metrics, and it lives on a
+per-backend CollectorRegistry because a fleet shares one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Protocol
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from prefix_router.sim.stats import BackendCounters
+
+_LABELS = ["model_name", "engine"]
+_ENGINE = "0"
+
+
+class LiveBackendState(Protocol):
+    """What the collector reads besides counters: the scheduler's present occupancy."""
+
+    @property
+    def num_running(self) -> int: ...
+
+    @property
+    def num_waiting(self) -> int: ...
+
+    @property
+    def kv_cache_usage(self) -> float: ...
+
+    @property
+    def counters(self) -> BackendCounters: ...
+
+
+class SimMetricsCollector(Collector):
+    def __init__(self, model_name: str, state: LiveBackendState) -> None:
+        self._label_values = [model_name, _ENGINE]
+        self._state = state
+
+    def collect(self) -> Iterator[Metric]:
+        state = self._state
+        counters = state.counters
+        labels = self._label_values
+
+        yield self._gauge(
+            "vllm:num_requests_running", "Number of requests in model execution batches.", state.num_running
+        )
+        yield self._gauge(
+            "vllm:num_requests_waiting", "Number of requests waiting to be processed.", state.num_waiting
+        )
+        yield self._gauge(
+            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", state.kv_cache_usage
+        )
+        yield self._counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            counters.prefix_cache_queries_tokens,
+        )
+        yield self._counter(
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            counters.prefix_cache_hits_tokens,
+        )
+        yield self._counter(
+            "vllm:prompt_tokens", "Number of prefill tokens processed.", counters.prompt_tokens
+        )
+        yield self._counter(
+            "vllm:generation_tokens", "Number of generation tokens processed.", counters.generation_tokens
+        )
+
+        success = CounterMetricFamily(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            labels=[*_LABELS, "finished_reason"],
+        )
+        # The sim never samples a stop token: it always runs to max_tokens ("length").
+        success.add_metric([*labels, "stop"], 0)
+        success.add_metric([*labels, "length"], counters.requests_finished)
+        success.add_metric([*labels, "abort"], counters.requests_aborted)
+        yield success
+
+        ttft = counters.ttft
+        histogram = HistogramMetricFamily(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", labels=_LABELS
+        )
+        # repr gives "0.001", "1.0", "2560.0": the `le` values vLLM's own client library prints.
+        bounds = [*(repr(bound) for bound in ttft.bounds_s), "+Inf"]
+        histogram.add_metric(labels, list(zip(bounds, ttft.cumulative_counts(), strict=True)), ttft.sum_s)
+        yield histogram
+
+    def _gauge(self, name: str, documentation: str, value: float) -> GaugeMetricFamily:
+        gauge = GaugeMetricFamily(name, documentation, labels=_LABELS)
+        gauge.add_metric(self._label_values, value)
+        return gauge
+
+    def _counter(self, name: str, documentation: str, value: float) -> CounterMetricFamily:
+        counter = CounterMetricFamily(name, documentation, labels=_LABELS)
+        counter.add_metric(self._label_values, value)
+        return counter
+
+
+class SimMetrics:
+    """The backend's own registry and its exposition."""
+
+    def __init__(self, model_name: str, state: LiveBackendState) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(SimMetricsCollector(model_name, state))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
