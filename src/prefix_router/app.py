@@ -1,0 +1,294 @@
+"""`create_app(settings)`: the router as ASGI apps, its resources owned by the lifespan.
+
+The data path is `Proxy.handle` behind a thin dispatcher; FastAPI serves only the local routes
+(/healthz, /readyz, /metrics) and the admin API on its own listener. This module holds the only
+table from errors to HTTP statuses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic import BaseModel
+
+from prefix_router import errors
+from prefix_router.backends import BackendSet, BackendSpec, HealthPolicy
+from prefix_router.discovery import build_discovery
+from prefix_router.health import HealthProber
+from prefix_router.metrics import BackendStatus, FleetSnapshot, RouterMetrics
+from prefix_router.proxy import Proxy
+from prefix_router.routing.picker import Picker
+from prefix_router.settings import Settings, normalise_backend_url
+from prefix_router.upstream import Upstream
+
+log = logging.getLogger("prefix_router")
+
+LOCAL_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+ASGIApp = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
+
+# error class -> (status, OpenAI error type, code). The first match in MRO order wins.
+ERROR_TABLE: dict[type[errors.RouterError], tuple[int, str, str]] = {
+    errors.BodyTooLarge: (413, "invalid_request_error", "body_too_large"),
+    errors.MethodNotAllowed: (405, "invalid_request_error", "bad_request"),
+    errors.RequestTimeout: (408, "invalid_request_error", "request_timeout"),
+    errors.BadRequest: (400, "invalid_request_error", "bad_request"),
+    errors.NoBackend: (503, "server_error", "no_backend"),
+    errors.Overloaded: (503, "server_error", "overloaded"),
+    errors.FirstByteTimeout: (504, "server_error", "upstream_timeout"),
+    errors.UpstreamError: (502, "server_error", "upstream_unavailable"),
+    errors.RequestError: (400, "invalid_request_error", "bad_request"),
+    errors.RouterError: (502, "server_error", "upstream_unavailable"),
+}
+
+
+def error_response_parts(exc: errors.RouterError) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """Status, headers and OpenAI-shaped JSON body for an error the router answers itself."""
+    for cls in type(exc).__mro__:
+        if cls in ERROR_TABLE:
+            status, kind, code = ERROR_TABLE[cls]
+            break
+    else:  # pragma: no cover - RouterError is in the table
+        status, kind, code = 502, "server_error", "upstream_unavailable"
+    body = orjson.dumps({"error": {"message": str(exc), "type": kind, "code": code, "param": None}})
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if isinstance(exc, errors.Overloaded):
+        headers.append((b"retry-after", str(exc.retry_after_s).encode()))
+    if status in (400, 405, 408, 413):
+        headers.append((b"connection", b"close"))
+    return status, headers, body
+
+
+class DrainRequest(BaseModel):
+    url: str
+
+
+class RouterApp:
+    """The main ASGI app (data path + local routes); `.admin_app` and `.metrics_app` share its state."""
+
+    def __init__(self, settings: Settings, *, rng: random.Random | None = None) -> None:
+        self.settings = settings
+        self.registry = CollectorRegistry()
+        h = settings.health
+        self.backends = BackendSet(
+            [BackendSpec(b.url, b.weight) for b in settings.backends],
+            vnodes=settings.routing.vnodes,
+            health=HealthPolicy(
+                unhealthy_threshold=h.unhealthy_threshold,
+                healthy_threshold=h.healthy_threshold,
+                max_ejected_ratio=h.max_ejected_ratio,
+                slow_start_s=h.slow_start_s,
+                probe_grace_s=2 * h.interval_s,
+            ),
+        )
+        self.picker = Picker(settings.balance_config(), rng)
+        self.upstream = Upstream(settings.upstream)
+        self.metrics = RouterMetrics(self.registry, self.snapshot)
+        self.proxy = Proxy(settings, self.backends, self.picker, self.upstream, self.metrics, rng)
+        self.draining = False
+        self._known: set[str] = set(b.url for b in self.backends.backends())
+        self.backends.on_change(self._membership_changed)
+        self._tasks: list[asyncio.Task[None]] = []
+        self.local_app = self._build_local_app()
+        self.admin_app = self._build_admin_app()
+        self.metrics_app = self._build_metrics_app()
+
+    # -- ASGI ----------------------------------------------------------------------------------
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            if scope["path"] in LOCAL_PATHS:
+                await self.local_app(scope, receive, send)
+                return
+            try:
+                await self.proxy.handle(scope, receive, send)
+            except errors.ClientDisconnected:
+                self.metrics.client_disconnects.inc()
+            except errors.RouterError as exc:
+                await self._send_error(send, exc)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+        elif kind == "websocket":
+            await send({"type": "websocket.close", "code": 1003})
+
+    async def _send_error(self, send: Any, exc: errors.RouterError) -> None:
+        status, headers, body = error_response_parts(exc)
+        code = ERROR_TABLE.get(type(exc), (0, "", "bad_request"))[2]
+        self.metrics.router_errors.labels(code if code in _CODES else "bad_request").inc()
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    async def _lifespan(self, receive: Any, send: Any) -> None:
+        message = await receive()
+        if message["type"] != "lifespan.startup":
+            return
+        try:
+            await self.start()
+        except Exception as exc:
+            await send({"type": "lifespan.startup.failed", "message": str(exc)})
+            return
+        await send({"type": "lifespan.startup.complete"})
+        message = await receive()
+        await self.stop()
+        await send({"type": "lifespan.shutdown.complete"})
+
+    # -- resources -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.upstream.start()
+        prober = HealthProber(self.settings.health, self.backends, self.upstream)
+        self._spawn(prober.run(), "health")
+        discovery = build_discovery(
+            self.settings.discovery, [BackendSpec(b.url, b.weight) for b in self.settings.backends]
+        )
+        if discovery is not None:
+            self._spawn(discovery.run(self.backends.replace_members), "discovery")
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks.clear()
+        await self.upstream.close()
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        async def guarded() -> None:
+            try:
+                await coro
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("background task %s failed", name)
+
+        self._tasks.append(asyncio.get_running_loop().create_task(guarded(), name=f"prefix_router.{name}"))
+
+    def snapshot(self) -> FleetSnapshot:
+        load = self.backends.load
+        return FleetSnapshot(
+            [
+                BackendStatus(b.url, load.inflight(b.url), load.load(b.url), b.state.value)
+                for b in self.backends.backends()
+            ],
+            self.backends.all_ejected_override,
+        )
+
+    def _membership_changed(self) -> None:
+        now = {b.url for b in self.backends.backends()}
+        for gone in self._known - now:
+            self.picker.forget(gone)
+            self.metrics.forget_backend(gone)
+            self.backends.load.clear_external(gone)
+        self._known = now
+
+    # -- local routes and admin ----------------------------------------------------------------
+
+    def _metrics_response(self) -> Response:
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+    def _build_local_app(self) -> FastAPI:
+        app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+
+        @app.get("/healthz")
+        async def healthz() -> Response:
+            return JSONResponse({"status": "ok"})
+
+        @app.get("/readyz")
+        async def readyz() -> Response:
+            if self.draining:
+                return JSONResponse({"status": "draining"}, status_code=503)
+            if not self.backends.is_ready():
+                return JSONResponse({"status": "no healthy backend"}, status_code=503)
+            return JSONResponse({"status": "ready"})
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return self._metrics_response()
+
+        return app
+
+    def _build_metrics_app(self) -> FastAPI:
+        app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return self._metrics_response()
+
+        return app
+
+    def _build_admin_app(self) -> FastAPI:
+        app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+        token = self.settings.server.admin_token
+
+        def authorised(request: Request) -> bool:
+            if token is None:
+                return True
+            given = request.headers.get("authorization", "")
+            return hmac.compare_digest(given.encode(), f"Bearer {token.get_secret_value()}".encode())
+
+        def denied() -> Response:
+            body = {
+                "error": {"message": "admin token required", "type": "authentication_error", "code": None}
+            }
+            return JSONResponse(body, status_code=401)
+
+        @app.get("/admin/backends")
+        async def list_backends(request: Request) -> Response:
+            if not authorised(request):
+                return denied()
+            snap = self.snapshot()
+            return JSONResponse(
+                {
+                    "backends": [
+                        {"url": s.url, "state": s.state, "inflight": s.inflight, "load": s.load}
+                        for s in snap.backends
+                    ],
+                    "ring_members": list(self.backends.ring.members),
+                    "ejection_cap_active": snap.ejection_cap_active,
+                }
+            )
+
+        @app.post("/admin/backends/drain")
+        async def drain(request: Request, body: DrainRequest) -> Response:
+            if not authorised(request):
+                return denied()
+            try:
+                url = normalise_backend_url(body.url)
+            except ValueError as exc:
+                err = {"error": {"message": str(exc), "type": "invalid_request_error", "code": None}}
+                return JSONResponse(err, status_code=400)
+            if not self.backends.drain(url):
+                err = {"error": {"message": "no such backend", "type": "invalid_request_error", "code": None}}
+                return JSONResponse(err, status_code=404)
+            return JSONResponse({"draining": url})
+
+        return app
+
+
+_CODES = frozenset(code for _, _, code in ERROR_TABLE.values())
+
+
+def create_app(settings: Settings, *, rng: random.Random | None = None) -> RouterApp:
+    """A fresh router: every test and every process builds its own."""
+    return RouterApp(settings, rng=rng)
+
+
+@contextlib.asynccontextmanager
+async def running(app: RouterApp) -> AsyncIterator[RouterApp]:
+    """Start and stop the app's resources without a server's lifespan (benchmarks, embedding)."""
+    await app.start()
+    try:
+        yield app
+    finally:
+        await app.stop()

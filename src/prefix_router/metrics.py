@@ -1,0 +1,162 @@
+"""Every metric the router exports, on an injected registry; label values from closed sets only.
+
+`backend` is a member URL (the fleet is the bound), `branch` a routing.picker.Branch, `status_class`
+one of 1xx..5xx, `kind` an upstream error kind. Never a tenant, a key, a path or a header value.
+In-flight, health and membership are read from the backend set at scrape time, so the data path pays
+nothing for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from prefix_router.routing.picker import Branch
+
+# Seconds; TTFB of a warm prefix is tens of ms, a cold 8k-token prefill a few seconds.
+TTFB_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+STATUS_CLASSES = ("1xx", "2xx", "3xx", "4xx", "5xx")
+# Errors the router answers itself, by OpenAI-style error code (a closed set, see app/proxy).
+ROUTER_ERROR_CODES = (
+    "body_too_large",
+    "bad_request",
+    "no_backend",
+    "overloaded",
+    "upstream_unavailable",
+    "upstream_timeout",
+    "request_timeout",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class BackendStatus:
+    url: str
+    inflight: int
+    load: float
+    state: str  # healthy | ejected | draining
+
+
+@dataclass(frozen=True, slots=True)
+class FleetSnapshot:
+    backends: list[BackendStatus]
+    ejection_cap_active: bool  # a shared fault ejected too many: routing to ejected backends anyway
+
+
+def status_class(status: int) -> str:
+    return STATUS_CLASSES[min(max(status // 100, 1), 5) - 1]
+
+
+class RouterMetrics:
+    def __init__(self, registry: CollectorRegistry, snapshot: Callable[[], FleetSnapshot]) -> None:
+        self.registry = registry
+        self.requests = Counter(
+            "prefix_router_requests",
+            "Proxied requests by the backend that answered, routing branch and status class.",
+            ["backend", "branch", "status_class"],
+            registry=registry,
+        )
+        self.decisions = Counter(
+            "prefix_router_decisions",
+            "Routing decisions by branch (one per attempt; retries are branch=retry).",
+            ["branch"],
+            registry=registry,
+        )
+        self.duration = Histogram(
+            "prefix_router_request_duration_seconds",
+            "Time from the routing decision to the last byte relayed, per backend.",
+            ["backend"],
+            buckets=DURATION_BUCKETS,
+            registry=registry,
+        )
+        self.ttfb = Histogram(
+            "prefix_router_time_to_first_byte_seconds",
+            "Time from sending the request upstream to the first response body byte, per backend.",
+            ["backend"],
+            buckets=TTFB_BUCKETS,
+            registry=registry,
+        )
+        self.upstream_errors = Counter(
+            "prefix_router_upstream_errors",
+            "Failures talking to a backend, by kind.",
+            ["backend", "kind"],
+            registry=registry,
+        )
+        self.retries = Counter(
+            "prefix_router_retries",
+            "Attempts moved to the next backend of the walk, by reason.",
+            ["reason"],
+            registry=registry,
+        )
+        self.retry_budget_exhausted = Counter(
+            "prefix_router_retry_budget_exhausted",
+            "Retries refused because the retry budget was spent.",
+            registry=registry,
+        )
+        self.router_errors = Counter(
+            "prefix_router_errors",
+            "Error responses produced by the router itself, by error code.",
+            ["code"],
+            registry=registry,
+        )
+        self.client_disconnects = Counter(
+            "prefix_router_client_disconnects",
+            "Requests whose client went away before the response ended.",
+            registry=registry,
+        )
+        for branch in Branch:
+            self.decisions.labels(branch.value)
+        for code in ROUTER_ERROR_CODES:
+            self.router_errors.labels(code)
+        registry.register(_FleetCollector(snapshot))
+
+    def forget_backend(self, url: str) -> None:
+        """Drop the series of a backend that left, so series stay bounded by the live fleet."""
+        for metric in (self.requests, self.duration, self.ttfb, self.upstream_errors):
+            for labels in list(metric._metrics):  # prometheus_client has no public listing
+                if labels and labels[0] == url:
+                    metric.remove(*labels)
+
+
+class _FleetCollector(Collector):
+    def __init__(self, snapshot: Callable[[], FleetSnapshot]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._snapshot()
+        statuses = snap.backends
+        inflight = GaugeMetricFamily(
+            "prefix_router_backend_inflight",
+            "Requests in flight from this router, per backend.",
+            labels=["backend"],
+        )
+        load = GaugeMetricFamily(
+            "prefix_router_backend_load",
+            "Load the picker sees per backend (in-flight plus other replicas' scraped share).",
+            labels=["backend"],
+        )
+        healthy = GaugeMetricFamily(
+            "prefix_router_backend_healthy",
+            "1 if the backend takes new requests, else 0.",
+            labels=["backend"],
+        )
+        state = GaugeMetricFamily(
+            "prefix_router_backend_state", "1 for the backend's current state.", labels=["backend", "state"]
+        )
+        for s in statuses:
+            inflight.add_metric([s.url], s.inflight)
+            load.add_metric([s.url], s.load)
+            healthy.add_metric([s.url], 1.0 if s.state == "healthy" else 0.0)
+            state.add_metric([s.url, s.state], 1.0)
+        members = GaugeMetricFamily("prefix_router_ring_members", "Backends on the hash ring.")
+        members.add_metric([], sum(1 for s in statuses if s.state != "draining"))
+        cap = GaugeMetricFamily(
+            "prefix_router_ejection_cap_active",
+            "1 while more backends failed than health.max_ejected_ratio allows and the least-bad are used.",
+        )
+        cap.add_metric([], 1.0 if snap.ejection_cap_active else 0.0)
+        yield from (inflight, load, healthy, state, members, cap)

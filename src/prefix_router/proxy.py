@@ -1,0 +1,379 @@
+"""One proxied request: bounded read → key → pick → lease → relay → release.
+
+This is a raw ASGI handler, not a FastAPI route: the data path pays for no routing, validation or
+response objects. `Proxy.handle` raises RouterError only before the response has started (app.py
+turns it into an OpenAI-shaped error); once bytes have gone to the client, failures end the stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import random
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from yarl import URL
+
+from prefix_router.backends import BackendSet
+from prefix_router.errors import (
+    BackendOverloaded,
+    BadRequest,
+    BodyTooLarge,
+    ClientDisconnected,
+    ConnectFailed,
+    MethodNotAllowed,
+    NoBackend,
+    Overloaded,
+    RequestTimeout,
+    StreamBroken,
+    UpstreamError,
+)
+from prefix_router.metrics import RouterMetrics, status_class
+from prefix_router.routing.keys import RoutingKey, extract_key
+from prefix_router.routing.load import Lease
+from prefix_router.routing.picker import Branch, Decision, Picker
+from prefix_router.settings import Settings
+from prefix_router.upstream import Upstream, UpstreamResponse, request_headers
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+BACKEND_HEADER = b"x-prefix-router-backend"
+_REFUSED_METHODS = frozenset({"CONNECT", "TRACE"})
+_RETRY_STATUSES = frozenset({429, 503})
+
+
+@dataclass(slots=True)
+class _Flow:
+    """What the disconnect watcher and the relay share about one request."""
+
+    done: bool = False
+    client_gone: bool = False
+
+
+class CapacityWaiters:
+    """A bounded FIFO of requests waiting for any backend to drop below max_inflight."""
+
+    __slots__ = ("_max", "_waiters")
+
+    def __init__(self, max_waiting: int) -> None:
+        self._max = max_waiting
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    def __len__(self) -> int:
+        return len(self._waiters)
+
+    async def wait(self, timeout_s: float) -> bool:
+        """Wait for a release; False at once when the queue is full, or after the timeout."""
+        if len(self._waiters) >= self._max or timeout_s <= 0:
+            return False
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            async with asyncio.timeout(timeout_s):
+                await fut
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            if not fut.done():
+                fut.cancel()
+            with contextlib.suppress(ValueError):  # wake_one() already took it
+                self._waiters.remove(fut)
+
+    def wake_one(self) -> None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                return
+
+
+class Proxy:
+    def __init__(
+        self,
+        settings: Settings,
+        backends: BackendSet,
+        picker: Picker,
+        upstream: Upstream,
+        metrics: RouterMetrics,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._settings = settings
+        self._key_config = settings.key_config()
+        self._backends = backends
+        self._picker = picker
+        self._upstream = upstream
+        self._metrics = metrics
+        self._rng = rng or random.Random()
+        self._tenant_header = settings.routing.tenant_header.encode("latin-1")
+        self._salt_secret = (
+            settings.routing.cache_salt_secret.get_secret_value().encode()
+            if settings.routing.set_cache_salt and settings.routing.cache_salt_secret
+            else None
+        )
+        self._waiters = CapacityWaiters(settings.balancing.queue_max)
+        self._active = 0
+        self._retrying = 0
+        self._urls: dict[str, tuple[str, str, int]] = {}
+
+    @property
+    def active_requests(self) -> int:
+        return self._active
+
+    # -- the request ---------------------------------------------------------------------------
+
+    async def handle(self, scope: Scope, receive: Any, send: Any) -> None:
+        method: str = scope["method"]
+        if method in _REFUSED_METHODS:
+            raise MethodNotAllowed(f"method {method} is not supported by the router")
+        raw_path: bytes = scope.get("raw_path") or scope["path"].encode("utf-8")
+        if not raw_path.startswith(b"/"):
+            # An absolute URI or authority form: the target is only ever a configured backend.
+            raise BadRequest("the request target must be a path starting with '/'")
+        body = await self._read_body(scope, receive)
+        tenant = self._tenant(scope["headers"])
+        key = extract_key(scope["path"], body, tenant, self._key_config)
+        if self._salt_secret is not None and body:
+            body = self._with_cache_salt(body, key)
+
+        self._active += 1
+        flow = _Flow()
+        me = asyncio.current_task()
+        watcher = asyncio.get_running_loop().create_task(self._watch_disconnect(receive, flow, me))
+        try:
+            await self._relay(scope, send, body, key)
+        except asyncio.CancelledError:
+            if flow.client_gone and me is not None and me.cancelling() <= 1:
+                me.uncancel()
+                self._metrics.client_disconnects.inc()
+                return
+            raise
+        except ClientDisconnected:
+            self._metrics.client_disconnects.inc()
+        finally:
+            flow.done = True
+            self._active -= 1
+            watcher.cancel()
+
+    async def _watch_disconnect(self, receive: Any, flow: _Flow, task: asyncio.Task[Any] | None) -> None:
+        while not flow.done:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                if not flow.done and task is not None:
+                    flow.client_gone = True
+                    task.cancel()
+                return
+
+    async def _read_body(self, scope: Scope, receive: Any) -> bytes:
+        limit = self._settings.server.max_body_bytes
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError as exc:
+                    raise BadRequest("invalid Content-Length") from exc
+                if declared > limit:
+                    raise BodyTooLarge(f"request body of {declared} bytes is over the limit of {limit} bytes")
+        chunks: list[bytes] = []
+        size = 0
+        timeout_s = self._settings.server.body_timeout_s
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(timeout_s) as deadline:
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        raise ClientDisconnected("client went away while sending the body")
+                    chunk: bytes = message.get("body", b"")
+                    if chunk:
+                        size += len(chunk)
+                        if size > limit:
+                            raise BodyTooLarge(f"request body is over the limit of {limit} bytes")
+                        chunks.append(chunk)
+                    if not message.get("more_body", False):
+                        break
+                    deadline.reschedule(loop.time() + timeout_s)
+        except TimeoutError as exc:
+            raise RequestTimeout(f"no request body bytes within {timeout_s:g} s") from exc
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def _tenant(self, headers: list[tuple[bytes, bytes]]) -> str | None:
+        for name, value in headers:
+            if name == self._tenant_header:
+                return value.decode("latin-1")
+        return None
+
+    def _with_cache_salt(self, body: bytes, key: RoutingKey) -> bytes:
+        """Set vLLM's cache_salt from the trusted tenant, overwriting whatever the client sent."""
+        assert self._salt_secret is not None
+        try:
+            doc = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            return body
+        if not isinstance(doc, dict):
+            return body
+        tenant = (key.tenant or "").encode("utf-8", "surrogatepass")
+        doc["cache_salt"] = hmac.new(self._salt_secret, tenant, hashlib.sha256).hexdigest()
+        return orjson.dumps(doc)
+
+    # -- placement -----------------------------------------------------------------------------
+
+    async def _choose(self, key: RoutingKey, exclude: list[str]) -> Decision:
+        """A decision within the bound, waiting (bounded) while every backend is at max_inflight."""
+        balancing = self._settings.balancing
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + balancing.queue_timeout_s
+        while True:
+            candidates = self._backends.candidates_now(self._rng)
+            decision = self._picker.pick(key, self._backends.ring, candidates, self._backends.load, exclude)
+            if decision is None:
+                raise NoBackend("no healthy backend is available")
+            if self._backends.load.load(decision.backend_id) < balancing.max_inflight:
+                return decision
+            left = deadline - loop.time()
+            if not await self._waiters.wait(left):
+                raise Overloaded(
+                    f"every backend is at its limit of {balancing.max_inflight} requests in flight",
+                    retry_after_s=1,
+                )
+
+    def _release(self, lease: Lease) -> None:
+        if lease.released:
+            return
+        lease.release()
+        self._backends.lease_ended(lease.backend_id)
+        if len(self._waiters):
+            self._waiters.wake_one()
+
+    def _retry_allowed(self) -> bool:
+        up = self._settings.upstream
+        budget = max(up.retry_budget_min, int(up.retry_budget_ratio * self._active))
+        if self._retrying < budget:
+            return True
+        self._metrics.retry_budget_exhausted.inc()
+        return False
+
+    def _target(self, backend_url: str, raw_path: bytes, query: bytes) -> URL:
+        parts = self._urls.get(backend_url)
+        if parts is None:
+            u = URL(backend_url)
+            parts = (u.scheme, u.raw_host or "", u.port or 80)
+            self._urls[backend_url] = parts
+        scheme, host, port = parts
+        return URL.build(
+            scheme=scheme,
+            host=host,
+            port=port,
+            path=raw_path.decode("latin-1"),
+            query_string=query.decode("latin-1"),
+            encoded=True,
+        )
+
+    # -- relay ---------------------------------------------------------------------------------
+
+    async def _relay(self, scope: Scope, send: Any, body: bytes, key: RoutingKey) -> None:
+        up = self._settings.upstream
+        client = scope.get("client")
+        headers = request_headers(
+            scope["headers"], client[0] if client else None, scope.get("scheme", "http")
+        )
+        method: str = scope["method"]
+        raw_path: bytes = scope.get("raw_path") or scope["path"].encode("utf-8")
+        query: bytes = scope.get("query_string", b"")
+        tried: list[str] = []
+        last_error: UpstreamError | None = None
+        while True:
+            attempt = len(tried)
+            retrying = attempt > 0
+            try:
+                decision = await self._choose(key, tried)
+            except NoBackend:
+                if last_error is not None:
+                    raise last_error from None
+                raise
+            backend = decision.backend_id
+            branch = Branch.RETRY if retrying else decision.branch
+            self._metrics.decisions.labels(branch.value).inc()
+            lease = self._backends.load.acquire(backend)
+            if retrying:
+                self._retrying += 1
+            started = time.perf_counter()
+            try:
+                try:
+                    resp = await self._upstream.send(
+                        method, str(self._target(backend, raw_path, query)), headers, body, None
+                    )
+                except ConnectFailed as exc:
+                    self._metrics.upstream_errors.labels(backend, exc.kind).inc()
+                    self._backends.record_failure(backend, probe=False)
+                    tried.append(backend)
+                    last_error = exc
+                    if len(tried) < up.max_attempts and self._retry_allowed():
+                        self._metrics.retries.labels("connect").inc()
+                        continue
+                    raise
+                except UpstreamError as exc:
+                    self._metrics.upstream_errors.labels(backend, exc.kind).inc()
+                    raise
+                if resp.status in _RETRY_STATUSES and len(tried) + 1 < up.max_attempts:
+                    tried.append(backend)
+                    if self._retry_allowed() and self._has_other(tried):
+                        resp.abort()
+                        self._metrics.upstream_errors.labels(backend, BackendOverloaded.kind).inc()
+                        self._metrics.retries.labels(f"status_{resp.status}").inc()
+                        last_error = BackendOverloaded(f"backend answered {resp.status}")
+                        continue
+                self._backends.record_success(backend, probe=False)
+                if resp.status < 400:
+                    self._picker.placed(key, backend)
+                await self._stream(send, resp, backend, branch, started)
+                return
+            finally:
+                if retrying:
+                    self._retrying -= 1
+                self._release(lease)
+
+    def _has_other(self, tried: list[str]) -> bool:
+        members = self._backends.candidates.members
+        return any(b not in tried for b in members)
+
+    async def _stream(
+        self, send: Any, resp: UpstreamResponse, backend: str, branch: Branch, started: float
+    ) -> None:
+        """Relay the response as it arrives; on any exit but the end, drop the upstream connection."""
+        headers = resp.headers
+        if self._settings.server.backend_header:
+            headers.append((BACKEND_HEADER, backend.encode("latin-1")))
+        complete = False
+        try:
+            await send({"type": "http.response.start", "status": resp.status, "headers": headers})
+            first = True
+            while True:
+                try:
+                    chunk = await resp.next_chunk()
+                except StreamBroken as exc:
+                    kind = "stream_idle_timeout" if str(exc) == "stream_idle_timeout" else exc.kind
+                    self._metrics.upstream_errors.labels(backend, kind).inc()
+                    # No [DONE] is invented: returning without the final body message makes uvicorn
+                    # close the connection, which the client sees as a truncated response.
+                    return
+                if first:
+                    self._metrics.ttfb.labels(backend).observe(time.perf_counter() - started)
+                    first = False
+                if not chunk:
+                    break
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            complete = True
+            resp.finish()
+        finally:
+            if not complete:
+                resp.abort()
+            self._metrics.requests.labels(backend, branch.value, status_class(resp.status)).inc()
+            self._metrics.duration.labels(backend).observe(time.perf_counter() - started)

@@ -1,0 +1,1 @@
+"""The pure routing core: bytes, ids and counts in, decisions out. No I/O, no frameworks."""

@@ -1,0 +1,39 @@
+"""Plain configuration values the routing core takes; settings.py validates and builds them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class KeyMode(StrEnum):
+    AUTO = "auto"  # OpenAI message text on OpenAI endpoints, native byte prefix elsewhere
+    OPENAI = "openai"
+    NATIVE = "native"
+
+
+class Policy(StrEnum):
+    PREFIX = "prefix"  # ours: prefix index + consistent-hash ring + bounded load
+    RANDOM = "random"
+    ROUND_ROBIN = "round_robin"
+    LEAST_LOADED = "least_loaded"
+
+
+@dataclass(frozen=True, slots=True)
+class KeyConfig:
+    mode: KeyMode = KeyMode.AUTO
+    prefix_chars: int = 4096
+    prefix_bytes: int = 4096
+    block_bytes: int = 256
+    max_key_bytes: int = 262144
+    tenant_body_field: str | None = "prompt_cache_key"  # OpenAI's field; None: header only
+
+
+@dataclass(frozen=True, slots=True)
+class BalanceConfig:
+    policy: Policy = Policy.PREFIX
+    max_inflight: int = 32
+    load_factor: float = 1.25
+    spill: bool = True  # off: the ring's choice always wins while healthy (a benchmark baseline)
+    prefix_index: bool = True
+    prefix_index_entries: int = 200_000

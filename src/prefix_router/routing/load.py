@@ -1,0 +1,100 @@
+"""In-flight counts, leases, and the bounded-load predicate.
+
+Consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam, 2016): with m requests in
+flight over n backends and a load factor c, no backend may hold more than ceil(c * (m + 1) / n) once
+the new request is placed. The `+ 1` is that new request. An absolute `max_inflight` bounds each
+backend too, because a GPU's batch has a size whatever the mean is.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def load_ok(load: float, total: float, n_backends: int, load_factor: float, max_inflight: int) -> bool:
+    """May a backend carrying `load` take one more request, with `total` in flight over the fleet?"""
+    if n_backends <= 0:
+        return False
+    if load + 1 > max_inflight:
+        return False
+    return load + 1 <= math.ceil(load_factor * (total + 1) / n_backends)
+
+
+class Lease:
+    """One request's claim on a backend; released exactly once, whatever the exit path."""
+
+    __slots__ = ("_released", "_tracker", "backend_id")
+
+    def __init__(self, tracker: LoadTracker, backend_id: str) -> None:
+        self._tracker = tracker
+        self.backend_id = backend_id
+        self._released = False
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        self._tracker._decrement(self.backend_id)
+
+
+class LoadTracker:
+    """Per-backend in-flight counts of this replica, plus an optional load signal from the backends.
+
+    The backends' own figure (vLLM's running + waiting, scraped) includes this replica's requests as
+    they stood at the scrape, so the effective load is local + max(0, scraped - local_at_scrape): the
+    other replicas' share, plus what this replica has done since.
+    """
+
+    __slots__ = ("_external", "_external_extra", "_inflight", "_total")
+
+    def __init__(self) -> None:
+        self._inflight: dict[str, int] = {}
+        self._external: dict[str, tuple[float, int]] = {}
+        self._total = 0  # kept with every change, so a pick costs the same for 4 or 1,000 backends
+        self._external_extra = 0.0
+
+    def acquire(self, backend_id: str) -> Lease:
+        self._inflight[backend_id] = self._inflight.get(backend_id, 0) + 1
+        self._total += 1
+        return Lease(self, backend_id)
+
+    def _decrement(self, backend_id: str) -> None:
+        left = self._inflight.get(backend_id, 0) - 1
+        self._total -= 1
+        if left > 0:
+            self._inflight[backend_id] = left
+        else:
+            self._inflight.pop(backend_id, None)
+
+    def inflight(self, backend_id: str) -> int:
+        return self._inflight.get(backend_id, 0)
+
+    def total_inflight(self) -> int:
+        return self._total
+
+    def set_external(self, backend_id: str, scraped: float) -> None:
+        self.clear_external(backend_id)
+        local_then = self.inflight(backend_id)
+        self._external[backend_id] = (scraped, local_then)
+        self._external_extra += max(0.0, scraped - local_then)
+
+    def clear_external(self, backend_id: str) -> None:
+        old = self._external.pop(backend_id, None)
+        if old is not None:
+            self._external_extra -= max(0.0, old[0] - old[1])
+
+    def load(self, backend_id: str) -> float:
+        local = self._inflight.get(backend_id, 0)
+        ext = self._external.get(backend_id)
+        if ext is None:
+            return local
+        scraped, local_then = ext
+        return local + max(0.0, scraped - local_then)
+
+    def total_load(self) -> float:
+        """Load over every backend tracked (in-flight plus other replicas' scraped share)."""
+        return self._total + self._external_extra

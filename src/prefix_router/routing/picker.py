@@ -1,0 +1,137 @@
+"""Choose a backend for a key: the prefix index, then the ring walk, within the load bound.
+
+Order of preference for our policy:
+1. the owners the prefix index knows for the longest known prefix (`prefix_match`), least loaded first;
+2. the ring walk from the key's hash: its first backend is `affinity`, any later one `overflow`;
+3. nothing within the bound: the least loaded candidate (`fallback`).
+Baseline policies (random, round robin, least loaded) exist so operators and benchmarks can compare.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Collection
+from dataclasses import dataclass
+from enum import StrEnum
+
+from prefix_router.routing.config import BalanceConfig, Policy
+from prefix_router.routing.keys import RoutingKey
+from prefix_router.routing.load import LoadTracker, load_ok
+from prefix_router.routing.prefix_index import PrefixIndex
+from prefix_router.routing.ring import HashRing
+
+
+class Branch(StrEnum):
+    AFFINITY = "affinity"  # the ring's first choice
+    PREFIX_MATCH = "prefix_match"  # a backend the prefix index says holds the longest known prefix
+    OVERFLOW = "overflow"  # a later backend of the walk: the preferred ones were at their bound
+    FALLBACK = "fallback"  # every candidate at its bound: the least loaded one
+    BALANCED = "balanced"  # a baseline policy (random, round robin, least loaded) chose
+    RETRY = "retry"  # recorded by the proxy for an attempt after the first
+
+
+@dataclass(frozen=True, slots=True)
+class Candidates:
+    """The backends that may take requests now (healthy, not draining), built once per change."""
+
+    ids: tuple[str, ...]
+    members: frozenset[str]
+
+    @classmethod
+    def of(cls, ids: Collection[str]) -> Candidates:
+        ordered = tuple(sorted(set(ids)))
+        return cls(ordered, frozenset(ordered))
+
+    def without(self, exclude: Collection[str]) -> Candidates:
+        return Candidates.of([b for b in self.ids if b not in exclude])
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    backend_id: str
+    branch: Branch
+
+
+class Picker:
+    """Holds what a policy remembers between requests (index, round-robin cursor, rng); no I/O."""
+
+    __slots__ = ("_config", "_cursor", "_index", "_rng")
+
+    def __init__(self, config: BalanceConfig, rng: random.Random | None = None) -> None:
+        self._config = config
+        self._index = PrefixIndex(config.prefix_index_entries) if config.prefix_index else None
+        self._rng = rng or random.Random()
+        self._cursor = 0
+
+    @property
+    def index(self) -> PrefixIndex | None:
+        return self._index
+
+    def pick(
+        self,
+        key: RoutingKey,
+        ring: HashRing,
+        candidates: Candidates,
+        load: LoadTracker,
+        exclude: Collection[str] = (),
+    ) -> Decision | None:
+        """A backend among `candidates` not in `exclude`; None when there is none."""
+        usable = candidates.without(exclude) if exclude else candidates
+        if not usable.ids:
+            return None
+        policy = self._config.policy
+        if policy is Policy.RANDOM:
+            return Decision(self._rng.choice(usable.ids), Branch.BALANCED)
+        if policy is Policy.ROUND_ROBIN:
+            self._cursor += 1
+            return Decision(usable.ids[self._cursor % len(usable.ids)], Branch.BALANCED)
+        if policy is Policy.LEAST_LOADED:
+            return Decision(_least_loaded(usable.ids, load, ring, key.ring_hash), Branch.BALANCED)
+        return self._pick_prefix(key, ring, usable, load)
+
+    def _pick_prefix(
+        self, key: RoutingKey, ring: HashRing, usable: Candidates, load: LoadTracker
+    ) -> Decision:
+        cfg = self._config
+        usable_set = usable.members
+        n = len(usable.ids)
+        total = load.total_load()
+
+        def fits(backend: str) -> bool:
+            return not cfg.spill or load_ok(load.load(backend), total, n, cfg.load_factor, cfg.max_inflight)
+
+        if self._index is not None and key.blocks:
+            _, owners = self._index.longest_match(key.blocks)
+            live = sorted((o for o in owners if o in usable_set), key=load.load)
+            for owner in live:
+                if fits(owner):
+                    return Decision(owner, Branch.PREFIX_MATCH)
+        first = True
+        for backend in ring.walk(key.ring_hash):
+            if backend not in usable_set:
+                continue
+            if fits(backend):
+                return Decision(backend, Branch.AFFINITY if first else Branch.OVERFLOW)
+            first = False
+        return Decision(_least_loaded(usable.ids, load, ring, key.ring_hash), Branch.FALLBACK)
+
+    def placed(self, key: RoutingKey, backend_id: str) -> None:
+        """Learn from a placement that reached the backend."""
+        if self._index is not None and key.blocks:
+            self._index.record(key.blocks, backend_id)
+
+    def forget(self, backend_id: str) -> None:
+        if self._index is not None:
+            self._index.forget_backend(backend_id)
+
+
+def _least_loaded(usable: tuple[str, ...], load: LoadTracker, ring: HashRing, key_hash: int) -> str:
+    """Least loaded; ties go to the earliest backend of the key's ring walk, so they stay sticky."""
+    best = min(load.load(b) for b in usable)
+    tied = {b for b in usable if load.load(b) == best}
+    if len(tied) == 1:
+        return next(iter(tied))
+    for backend in ring.walk(key_hash):
+        if backend in tied:
+            return backend
+    return min(tied)

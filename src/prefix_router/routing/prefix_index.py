@@ -1,0 +1,78 @@
+"""A bounded longest-prefix index: which backends recently took which chained block hashes.
+
+A fixed-length ring key cannot follow a conversation: each turn changes the first N characters until
+the history outgrows them. The index remembers, per block hash, the few backends this router placed it
+on (an approximation of their prefix caches, like SGLang's approximate radix tree or llm-d's prefix
+scorer), so turn k+1 finds turn k's backend. It only ever learns from placements the ring (or the
+bound) made, so a prefix seen for the first time is always decided by the ring and replicas agree.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+MAX_OWNERS = 4  # backends remembered per block; a hot prefix spills over to a few, not to all
+
+
+class PrefixIndex:
+    __slots__ = ("_entries", "_max_entries")
+
+    def __init__(self, max_entries: int) -> None:
+        if max_entries < 1:
+            raise ValueError("max_entries must be at least 1")
+        self._max_entries = max_entries
+        self._entries: OrderedDict[int, tuple[str, ...]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def longest_match(self, blocks: Sequence[int]) -> tuple[int, tuple[str, ...]]:
+        """(number of leading blocks known, owners of the deepest one); (0, ()) when none is known.
+
+        Chained hashes make a known block imply its whole prefix was seen, so the scan stops at the
+        first unknown block; the deepest block is found by binary search over that monotone property.
+        """
+        entries = self._entries
+        lo, hi = 0, len(blocks)
+        if hi == 0 or blocks[0] not in entries:
+            return 0, ()
+        # Invariant: blocks[lo] is known; blocks[hi] (if hi < len) is unknown or beyond the end.
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if blocks[mid] in entries:
+                lo = mid
+            else:
+                hi = mid
+        return lo + 1, entries[blocks[lo]]
+
+    def record(self, blocks: Sequence[int], backend_id: str) -> None:
+        """Note that `backend_id` now holds these blocks (it has just been sent them).
+
+        Deepest first, so the shallow blocks end most recently used: eviction then trims prefixes from
+        their tails, and a known block keeps implying its parents are known.
+        """
+        entries = self._entries
+        for block in reversed(blocks):
+            owners = entries.get(block)
+            if owners is None:
+                entries[block] = (backend_id,)
+            else:
+                if backend_id in owners:
+                    if owners[-1] != backend_id:
+                        owners = (*tuple(o for o in owners if o != backend_id), backend_id)
+                else:
+                    owners = (*owners[-(MAX_OWNERS - 1) :], backend_id)
+                entries[block] = owners
+                entries.move_to_end(block)
+        while len(entries) > self._max_entries:
+            entries.popitem(last=False)
+
+    def forget_backend(self, backend_id: str) -> None:
+        """Drop a backend that left the fleet (its cache is gone with it)."""
+        for block in [b for b, owners in self._entries.items() if backend_id in owners]:
+            rest = tuple(o for o in self._entries[block] if o != backend_id)
+            if rest:
+                self._entries[block] = rest
+            else:
+                del self._entries[block]

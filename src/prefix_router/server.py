@@ -1,0 +1,81 @@
+"""Run a RouterApp under uvicorn: the main listener, and the optional metrics and admin listeners,
+in one event loop; SIGTERM fails /readyz at once, stops accepting, and drains in-flight requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import uvicorn
+
+from prefix_router.app import RouterApp
+from prefix_router.settings import ServerSettings
+
+log = logging.getLogger("prefix_router")
+
+
+class _Server(uvicorn.Server):
+    """A uvicorn server that leaves signal handling to `serve`, which owns all listeners."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def uvicorn_config(asgi: Any, s: ServerSettings, host: str, port: int, *, main: bool) -> uvicorn.Config:
+    """One listener's config; only the main one runs the lifespan that owns the router's resources."""
+    return uvicorn.Config(
+        asgi,
+        host=host,
+        port=port,
+        lifespan="on" if main else "off",
+        access_log=False,
+        log_level=s.log_level,
+        timeout_graceful_shutdown=int(s.drain_timeout_s) if main else 1,
+        timeout_keep_alive=5,
+        h11_max_incomplete_event_size=s.max_header_bytes,
+        server_header=False,
+        date_header=False,  # the backend's Date passes through; two would be a protocol smell
+        proxy_headers=False,  # the router is the edge: X-Forwarded-For is appended, never trusted
+    )
+
+
+async def serve(app: RouterApp, sockets: list[socket.socket] | None = None) -> int:
+    """Serve until SIGTERM/SIGINT; returns the process exit code."""
+    s = app.settings.server
+    main = _Server(uvicorn_config(app, s, s.host, s.port, main=True))
+    aux: list[_Server] = []
+    if s.metrics_port is not None:
+        aux.append(_Server(uvicorn_config(app.metrics_app, s, s.host, s.metrics_port, main=False)))
+    if s.admin_port is not None:
+        aux.append(_Server(uvicorn_config(app.admin_app, s, s.admin_host, s.admin_port, main=False)))
+
+    loop = asyncio.get_running_loop()
+
+    def on_signal(signum: int) -> None:
+        if main.should_exit:
+            log.warning("second signal: exiting without waiting for in-flight requests")
+            main.force_exit = True
+            return
+        log.info("signal %s: failing /readyz and draining for up to %g s", signum, s.drain_timeout_s)
+        app.draining = True
+        main.should_exit = True
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    aux_tasks = [loop.create_task(server.serve()) for server in aux]
+    try:
+        await main.serve(sockets=sockets)
+    finally:
+        for server in aux:
+            server.should_exit = True
+        await asyncio.gather(*aux_tasks, return_exceptions=True)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+    return 0 if main.started else 1
