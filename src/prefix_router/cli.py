@@ -125,7 +125,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     # The process's one global switch: no `_created` series (they double every counter's series).
-    prometheus_client.disable_created_metrics()
+    prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "serve":

@@ -43,6 +43,30 @@ def canonical_bytes(doc: Any) -> bytes:
         raise NotCanonicalisable(str(exc)) from exc
 
 
+def canonical_prompt(doc: Any) -> bytes | None:
+    """Canonical bytes of only the prompt fields of an object (None if it has none).
+
+    The key of a native request is this when it exists: the KV cache depends on the prompt, so two
+    requests for one prompt with other sampling parameters must not be split by a short prompt
+    leaving room for `temperature` inside the first N bytes.
+    """
+    if not isinstance(doc, dict):
+        return None
+    head = [(k, doc[k]) for k in PROMPT_FIELDS if k in doc]
+    if not head:
+        return None
+    try:
+        return (
+            b"{"
+            + b",".join(
+                orjson.dumps(k) + b":" + orjson.dumps(v, option=orjson.OPT_SORT_KEYS) for k, v in head
+            )
+            + b"}"
+        )
+    except (orjson.JSONEncodeError, TypeError) as exc:
+        raise NotCanonicalisable(str(exc)) from exc
+
+
 def canonicalise(body: bytes) -> bytes:
     """Canonical bytes of a JSON body; raises NotCanonicalisable for anything else."""
     return canonical_bytes(parse_json(body))

@@ -2,9 +2,10 @@
 
 OpenAI endpoints key on the conversation text in the order a chat template renders it: the `tools`
 definitions first (templates put them in the system preamble), then each message as a role marker
-followed by its content. Other paths key on the canonical JSON body, prompt fields first, or on the raw
-bytes when the body is not JSON. The model and the tenant seed every hash, so two models or two tenants
-never share a placement. The key never fails a request: anything unexpected falls back to raw bytes.
+followed by its content. Other paths key on the canonical JSON of the body's prompt fields (the whole
+canonical body when it has none), or on the raw bytes when the body is not JSON. The model and the
+tenant seed every hash, so two models or two tenants never share a placement. The key never fails a
+request: anything unexpected falls back to raw bytes.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 import orjson
 
-from prefix_router.routing.canonical import NotCanonicalisable, canonical_bytes, parse_json
+from prefix_router.routing.canonical import NotCanonicalisable, canonical_bytes, canonical_prompt, parse_json
 from prefix_router.routing.config import KeyConfig, KeyMode
 from prefix_router.routing.hashing import chain_hash, hash_bytes, hash_parts
 
@@ -71,7 +72,7 @@ def extract_key(path: str, body: bytes, tenant: str | None, config: KeyConfig) -
 
     if parsed:
         try:
-            canon = canonical_bytes(doc)
+            canon = canonical_prompt(doc) or canonical_bytes(doc)
             return _key(KeySource.NATIVE, canon[: config.prefix_bytes], canon, tenant, model, config)
         except NotCanonicalisable:
             pass

@@ -1,0 +1,231 @@
+"""The router under uvicorn in front of fake backends: affinity, canonical routing, tenants, headers."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from typing import Any
+
+import httpx
+
+from routerkit import router_settings
+
+CHAT = "/v1/chat/completions"
+
+
+def chat(system: str, user: str = "hi", **extra: Any) -> dict[str, Any]:
+    return {
+        "model": "m",
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+        **extra,
+    }
+
+
+async def test_same_prefix_same_backend_and_distinct_prefixes_spread(fake_backends, router, client) -> None:
+    backends = await fake_backends(4)
+    r = await router(router_settings(backends))
+    placements: dict[str, set[str]] = {}
+    for group in range(24):
+        system = f"You are assistant number {group}. " * 20
+        for q in range(4):
+            resp = await client.post(f"{r.url}{CHAT}", json=chat(system, f"question {q}"))
+            assert resp.status_code == 200
+            placements.setdefault(system, set()).add(resp.headers["x-prefix-router-backend"])
+    assert all(len(v) == 1 for v in placements.values()), "a shared prefix must stay on one backend"
+    used = Counter(next(iter(v)) for v in placements.values())
+    assert len(used) >= 3, f"24 distinct prefixes should spread over the fleet, got {used}"
+
+
+async def test_backend_header_names_the_backend_that_answered(fake_backends, router, client) -> None:
+    backends = await fake_backends(3)
+    r = await router(router_settings(backends))
+    resp = await client.post(f"{r.url}{CHAT}", json=chat("s"))
+    by_url = {b.url: b for b in backends}
+    assert resp.json()["backend"] == by_url[resp.headers["x-prefix-router-backend"]].name
+
+
+async def test_backend_header_can_be_turned_off(fake_backends, router, client) -> None:
+    backends = await fake_backends(1)
+    r = await router(router_settings(backends, server={"backend_header": False}))
+    resp = await client.post(f"{r.url}{CHAT}", json=chat("s"))
+    assert resp.status_code == 200
+    assert "x-prefix-router-backend" not in resp.headers
+
+
+async def test_native_routing_is_canonical(fake_backends, router, client) -> None:
+    backends = await fake_backends(4)
+    r = await router(router_settings(backends))
+    seen = set()
+    for body in (
+        b'{"prompt": "caf\\u00e9 story", "temperature": 0.1, "max_tokens": 5}',
+        b'{"max_tokens":5,"temperature":0.9,"prompt":"caf\xc3\xa9 story"}',
+        b'{\n  "temperature": 1,\n  "prompt" : "caf\\u00e9 story"\n}',
+    ):
+        resp = await client.post(
+            f"{r.url}/generate", content=body, headers={"content-type": "application/json"}
+        )
+        assert resp.status_code == 200
+        seen.add(resp.headers["x-prefix-router-backend"])
+    assert len(seen) == 1, "serialisations of one prompt must route alike"
+
+
+async def test_tenants_are_placed_independently_and_stay_sticky(fake_backends, router, client) -> None:
+    backends = await fake_backends(4)
+    r = await router(router_settings(backends))
+    body = chat("the very same system prompt " * 10)
+    per_tenant: dict[str, set[str]] = {}
+    for tenant in range(16):
+        for _ in range(3):
+            resp = await client.post(
+                f"{r.url}{CHAT}", json=body, headers={"x-prefix-cache-key": f"t{tenant}"}
+            )
+            per_tenant.setdefault(f"t{tenant}", set()).add(resp.headers["x-prefix-router-backend"])
+    assert all(len(v) == 1 for v in per_tenant.values())
+    assert len({next(iter(v)) for v in per_tenant.values()}) >= 2
+
+
+async def test_prompt_cache_key_body_field_is_a_tenant(fake_backends, router, client) -> None:
+    backends = await fake_backends(4)
+    r = await router(router_settings(backends))
+    homes = set()
+    for tenant in range(16):
+        resp = await client.post(f"{r.url}{CHAT}", json=chat("same prompt", prompt_cache_key=f"k{tenant}"))
+        homes.add(resp.headers["x-prefix-router-backend"])
+    assert len(homes) >= 2
+
+
+async def test_every_method_and_path_forwarded_with_headers(fake_backends, router, client) -> None:
+    backends = await fake_backends(1)
+    r = await router(router_settings(backends))
+    for method in ("GET", "POST", "PUT", "DELETE", "PATCH"):
+        resp = await client.request(
+            method,
+            f"{r.url}/some/native/path?x=1&y=%20z",
+            content=b"abc" if method != "GET" else None,
+            headers={"x-custom": "v", "authorization": "Bearer secret", "connection": "keep-alive, x-hop"},
+        )
+        assert resp.status_code == 200
+        got = resp.json()
+        assert got["method"] == method
+        assert got["path"] == "/some/native/path"
+        assert got["query"] == "x=1&y=%20z"
+        assert got["headers"]["x-custom"] == "v"
+        assert got["headers"]["Authorization"] == "Bearer secret"
+        assert got["headers"]["X-Forwarded-For"] == "127.0.0.1"
+        assert got["headers"]["X-Forwarded-Proto"] == "http"
+        assert "x-hop" not in {k.lower() for k in got["headers"]}
+    assert resp.headers["x-fake-backend"] == "b0"
+
+
+async def test_x_forwarded_for_is_appended(fake_backends, router, client) -> None:
+    backends = await fake_backends(1)
+    r = await router(router_settings(backends))
+    resp = await client.get(f"{r.url}/x", headers={"x-forwarded-for": "10.1.2.3"})
+    assert resp.json()["headers"]["X-Forwarded-For"] == "10.1.2.3, 127.0.0.1"
+
+
+async def test_body_forwarded_byte_for_byte(fake_backends, router, client) -> None:
+    backends = await fake_backends(1)
+    r = await router(router_settings(backends))
+    body = json.dumps(chat("x" * 100_000)).encode()
+    resp = await client.post(f"{r.url}{CHAT}", content=body)
+    assert backends[0].seen[-1].body == body
+    assert resp.status_code == 200
+
+
+async def test_model_is_part_of_the_key(fake_backends, router, client) -> None:
+    backends = await fake_backends(4)
+    r = await router(router_settings(backends))
+    homes = set()
+    for i in range(16):
+        body = chat("one shared system prompt")
+        body["model"] = f"model-{i}"
+        resp = await client.post(f"{r.url}{CHAT}", json=body)
+        homes.add(resp.headers["x-prefix-router-backend"])
+    assert len(homes) >= 2
+
+
+async def test_local_routes(fake_backends, router, client) -> None:
+    backends = await fake_backends(2)
+    r = await router(router_settings(backends))
+    assert (await client.get(f"{r.url}/healthz")).json() == {"status": "ok"}
+    assert (await client.get(f"{r.url}/readyz")).status_code == 200
+    await client.post(f"{r.url}{CHAT}", json=chat("s"))
+    text = (await client.get(f"{r.url}/metrics")).text
+    assert 'prefix_router_decisions_total{branch="affinity"} 1.0' in text
+    assert "prefix_router_backend_inflight" in text
+    assert "prefix_router_ring_members 2.0" in text
+    assert not any(b.seen and b.seen[-1].path in ("/healthz", "/metrics") for b in backends)
+
+
+async def test_multi_turn_conversation_follows_its_history(fake_backends, router, client) -> None:
+    """Each turn changes the first prefix_chars characters while the conversation is short; the
+    prefix index still sends turn k+1 to turn k's backend."""
+    backends = await fake_backends(8)
+    r = await router(router_settings(backends))
+    for conv in range(12):
+        messages: list[dict[str, str]] = [
+            {"role": "system", "content": f"conversation {conv} " + "ctx " * 80}
+        ]
+        homes = set()
+        for turn in range(6):
+            messages.append({"role": "user", "content": f"turn {turn} question " * 10})
+            resp = await client.post(f"{r.url}{CHAT}", json={"model": "m", "messages": messages})
+            homes.add(resp.headers["x-prefix-router-backend"])
+            messages.append({"role": "assistant", "content": f"answer {turn} " * 30})
+        assert len(homes) == 1, f"conversation {conv} moved between backends: {homes}"
+
+
+async def test_round_robin_policy_cycles(fake_backends, router, client) -> None:
+    backends = await fake_backends(3)
+    r = await router(router_settings(backends, balancing={"policy": "round_robin"}))
+    got = Counter()
+    for _ in range(9):
+        resp = await client.post(f"{r.url}{CHAT}", json=chat("same"))
+        got[resp.headers["x-prefix-router-backend"]] += 1
+    assert sorted(got.values()) == [3, 3, 3]
+
+
+async def test_openai_sdk_chat_and_stream_through_router(fake_backends, router) -> None:
+    import openai
+
+    from prefix_router.sim.config import SimConfig
+    from prefix_router.sim.fleet import SimFleet
+
+    async with SimFleet(SimConfig(overhead_ms=1, prefill_ms_per_token=0.001, itl_ms=1), count=2) as fleet:
+        r = await router(router_settings(fleet.urls))
+        async with openai.AsyncOpenAI(base_url=f"{r.url}/v1", api_key="unused", max_retries=0) as sdk:
+            messages = [{"role": "system", "content": "be brief " * 50}, {"role": "user", "content": "hello"}]
+            first = await sdk.chat.completions.create(model="sim-llama", messages=messages, max_tokens=4)
+            assert first.choices[0].message.content
+            again = await sdk.chat.completions.create(model="sim-llama", messages=messages, max_tokens=4)
+            assert again.usage is not None and again.usage.prompt_tokens_details is not None
+            assert again.usage.prompt_tokens_details.cached_tokens > 0, "the repeat must hit the same cache"
+            stream = await sdk.chat.completions.create(
+                model="sim-llama", messages=messages, max_tokens=5, stream=True
+            )
+            pieces = [
+                c.choices[0].delta.content async for c in stream if c.choices and c.choices[0].delta.content
+            ]
+            assert len(pieces) == 5
+            raw = await sdk.chat.completions.with_raw_response.create(
+                model="sim-llama", messages=messages, max_tokens=1
+            )
+            assert raw.headers["x-prefix-router-backend"] in fleet.urls
+            models = await sdk.models.list()
+            assert [m.id for m in models.data] == ["sim-llama"]
+
+
+async def test_http_client_sees_no_difference_but_the_header(fake_backends, router, client) -> None:
+    backends = await fake_backends(1)
+    r = await router(router_settings(backends))
+    direct = await client.post(f"{backends[0].url}{CHAT}", json=chat("s"))
+    via = await client.post(f"{r.url}{CHAT}", json=chat("s"))
+    assert via.status_code == direct.status_code
+    assert via.headers["content-type"] == direct.headers["content-type"]
+    d, v = direct.json(), via.json()
+    for drop in ("headers",):
+        d.pop(drop)
+        v.pop(drop)
+    assert d == v
+    assert isinstance(via, httpx.Response)

@@ -1,0 +1,81 @@
+"""A real router under uvicorn on a 127.0.0.1 ephemeral port, for tests and their fixtures."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from prefix_router.app import RouterApp, create_app
+from prefix_router.server import _Server, uvicorn_config
+from prefix_router.settings import Settings, load_settings
+
+from fakebackend import FakeBackend
+
+
+def free_socket() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+class RunningRouter:
+    def __init__(self, app: RouterApp, server: _Server, task: asyncio.Task[None], port: int) -> None:
+        self.app = app
+        self.server = server
+        self.task = task
+        self.port = port
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def inflight(self) -> dict[str, int]:
+        load = self.app.backends.load
+        return {b.url: load.inflight(b.url) for b in self.app.backends.backends()}
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(self.task, 10)
+
+
+def router_settings(backends: list[FakeBackend] | list[str], **sections: dict[str, Any]) -> Settings:
+    urls = [b if isinstance(b, str) else b.url for b in backends]
+    overrides: dict[str, Any] = {"backends": [{"url": u} for u in urls]}
+    # Tests drive health themselves; a slow prober keeps runs deterministic unless a test asks.
+    overrides["health"] = {"interval_s": 3600.0}
+    for name, values in sections.items():
+        overrides[name] = {**overrides.get(name, {}), **values}
+    return load_settings(None, overrides, environ=False)
+
+
+async def start_router(settings: Settings) -> RunningRouter:
+    app = create_app(settings)
+    sock = free_socket()
+    port = sock.getsockname()[1]
+    config = uvicorn_config(app, settings.server, "127.0.0.1", port, main=True)
+    server = _Server(config)
+    task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
+    for _ in range(500):
+        if server.started:
+            break
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.01)
+    else:
+        raise RuntimeError("router did not start")
+    return RunningRouter(app, server, task, port)
+
+
+async def eventually(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    """Poll until predicate() holds, failing after a generous bound (no timing asserted)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not predicate():
+        if loop.time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.01)
