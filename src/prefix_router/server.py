@@ -15,6 +15,7 @@ from typing import Any
 import uvicorn
 
 from prefix_router.app import RouterApp
+from prefix_router.http_guard import guarded_protocol
 from prefix_router.settings import ServerSettings
 
 log = logging.getLogger("prefix_router")
@@ -39,7 +40,7 @@ def uvicorn_config(asgi: Any, s: ServerSettings, host: str, port: int, *, main: 
         log_level=s.log_level,
         timeout_graceful_shutdown=int(s.drain_timeout_s) if main else 1,
         timeout_keep_alive=5,
-        h11_max_incomplete_event_size=s.max_header_bytes,
+        http=guarded_protocol(s.max_header_bytes, s.header_timeout_s),
         server_header=False,
         date_header=False,  # the backend's Date passes through; two would be a protocol smell
         proxy_headers=False,  # the router is the edge: X-Forwarded-For is appended, never trusted
