@@ -1,0 +1,454 @@
+"""A load driver for the demo and the benchmark: send a Workload to an OpenAI endpoint, measure it.
+
+Two arrival models: closed loop (C workers, each sending its next request when the last one ends)
+and open loop (Poisson arrivals at rate λ, bounded in count and time, so an overloaded fleet shows
+queueing instead of slowing the driver down). Every request streams (`stream: true`,
+`stream_options.include_usage`), so TTFT is the time to the first content chunk as a client sees it.
+
+The hit rate is never taken from the client's side: it is the backends' own prefix-cache counters,
+diffed over the run (`/sim/stats` of the sim, or vLLM's `vllm:prefix_cache_{hits,queries}_total` on
+/metrics), so it is what the engines did, whatever the router or the driver believe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import random
+import statistics
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+from prometheus_client.parser import text_string_to_metric_families
+
+from prefix_router.sim.workloads import Workload, WorkloadRequest
+
+BACKEND_HEADER = "x-prefix-router-backend"
+
+
+@dataclass(slots=True)
+class RequestResult:
+    index: int
+    group: str
+    tenant: str | None
+    status: int = 0  # 0: no HTTP answer (connect error, timeout)
+    error: str | None = None
+    ttft_s: float | None = None
+    latency_s: float = 0.0
+    backend: str | None = None  # the router's x-prefix-router-backend header, when it sends one
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and 200 <= self.status < 300
+
+
+class Progress:
+    """Requests done so far, for a ticker to print while a run goes on."""
+
+    def __init__(self) -> None:
+        self.done = 0
+        self.errors = 0
+        self.started = time.monotonic()
+
+    def note(self, result: RequestResult) -> None:
+        self.done += 1
+        if not result.ok:
+            self.errors += 1
+
+    @property
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self.started
+
+
+async def send_one(
+    session: aiohttp.ClientSession, base_url: str, index: int, request: WorkloadRequest, timeout_s: float
+) -> RequestResult:
+    """Stream one chat completion; the result records failures instead of raising them."""
+    result = RequestResult(index, request.group, request.tenant)
+    body = request.body | {"stream": True, "stream_options": {"include_usage": True}}
+    headers = {"content-type": "application/json", **request.headers()}
+    start = time.monotonic()
+    try:
+        async with asyncio.timeout(timeout_s):
+            async with session.post(
+                f"{base_url}/v1/chat/completions", data=orjson.dumps(body), headers=headers
+            ) as resp:
+                result.status = resp.status
+                result.backend = resp.headers.get(BACKEND_HEADER)
+                if resp.status != 200:
+                    result.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                    return result
+                await _read_stream(resp, result, start)
+    except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"[:200]
+    finally:
+        result.latency_s = time.monotonic() - start
+    return result
+
+
+async def _read_stream(resp: aiohttp.ClientResponse, result: RequestResult, start: float) -> None:
+    done = False
+    async for raw in resp.content:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == b"[DONE]":
+            done = True
+            break
+        chunk = orjson.loads(payload)
+        if result.ttft_s is None:
+            for choice in chunk.get("choices") or ():
+                if (choice.get("delta") or {}).get("content") or choice.get("text"):
+                    result.ttft_s = time.monotonic() - start
+                    break
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            result.prompt_tokens = usage.get("prompt_tokens")
+            details = usage.get("prompt_tokens_details") or {}
+            result.cached_tokens = details.get("cached_tokens")
+    if not done:
+        result.error = "stream ended without [DONE]"
+
+
+class _Dependencies:
+    """Completion events per request index, so a chat's next turn waits for the previous one."""
+
+    def __init__(self, count: int) -> None:
+        self._events = [asyncio.Event() for _ in range(count)]
+
+    async def wait_for(self, request: WorkloadRequest) -> None:
+        if request.after is not None:
+            await self._events[request.after].wait()
+
+    def finished(self, index: int) -> None:
+        self._events[index].set()
+
+
+async def run_closed_loop(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    workload: Workload,
+    *,
+    concurrency: int,
+    progress: Progress | None = None,
+    timeout_s: float = 120.0,
+) -> list[RequestResult]:
+    """`concurrency` workers take the requests in workload order; results in workload order."""
+    requests = workload.requests
+    results: list[RequestResult | None] = [None] * len(requests)
+    deps = _Dependencies(len(requests))
+    cursor = iter(range(len(requests)))
+
+    async def worker() -> None:
+        for index in cursor:
+            request = requests[index]
+            await deps.wait_for(request)
+            result = await send_one(session, base_url, index, request, timeout_s)
+            results[index] = result
+            deps.finished(index)
+            if progress is not None:
+                progress.note(result)
+
+    await asyncio.gather(*(worker() for _ in range(max(1, concurrency))))
+    return [r for r in results if r is not None]
+
+
+async def run_open_loop(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    workload: Workload,
+    *,
+    rate_per_s: float,
+    max_requests: int | None = None,
+    max_duration_s: float | None = None,
+    seed: int = 0,
+    progress: Progress | None = None,
+    timeout_s: float = 120.0,
+) -> list[RequestResult]:
+    """Poisson arrivals at `rate_per_s` (exponential gaps, seeded), in workload order, until the
+    workload, `max_requests` or `max_duration_s` of arrivals runs out; waits for all sent to end."""
+    if rate_per_s <= 0:
+        raise ValueError("rate_per_s must be positive")
+    rng = random.Random(seed)
+    requests = workload.requests[: max_requests if max_requests is not None else None]
+    deps = _Dependencies(len(workload.requests))
+    results: list[RequestResult] = []
+    tasks: list[asyncio.Task[None]] = []
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    due = start
+
+    async def fire(index: int, request: WorkloadRequest) -> None:
+        await deps.wait_for(request)
+        result = await send_one(session, base_url, index, request, timeout_s)
+        results.append(result)
+        deps.finished(index)
+        if progress is not None:
+            progress.note(result)
+
+    for index, request in enumerate(requests):
+        due += rng.expovariate(rate_per_s)
+        if max_duration_s is not None and due - start > max_duration_s:
+            break
+        delay = due - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(loop.create_task(fire(index, request)))
+    if tasks:
+        await asyncio.gather(*tasks)
+    # A request whose predecessor was never sent (the time bound cut it) is never sent either.
+    return sorted(results, key=lambda r: r.index)
+
+
+# -- counters from the backends and the router -------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class BackendCounters:
+    """One backend's cumulative counters at one moment; `peak_inflight` is a high-water mark."""
+
+    queries_tokens: float
+    hits_tokens: float
+    requests: float
+    peak_inflight: int | None = None  # the sim only
+
+
+async def fetch_sim_stats(session: aiohttp.ClientSession, url: str) -> BackendCounters:
+    async with session.get(f"{url}/sim/stats") as resp:
+        resp.raise_for_status()
+        stats = await resp.json()
+    return BackendCounters(
+        stats["prefix_cache_queries"], stats["prefix_cache_hits"], stats["requests"], stats["peak_inflight"]
+    )
+
+
+async def fetch_vllm_counters(session: aiohttp.ClientSession, url: str) -> BackendCounters:
+    """vLLM's prefix-cache counters (tokens) and finished requests from its /metrics."""
+    async with session.get(f"{url}/metrics") as resp:
+        resp.raise_for_status()
+        text = await resp.text()
+    values = prometheus_totals(text)
+    requests = sum(v for k, v in values.items() if k == "vllm:request_success")
+    return BackendCounters(
+        values.get("vllm:prefix_cache_queries", 0.0), values.get("vllm:prefix_cache_hits", 0.0), requests
+    )
+
+
+def prometheus_totals(text: str, label: str | None = None) -> dict[str, float]:
+    """Samples of a Prometheus text page summed per family name (counters without `_total`), or per
+    value of `label` when given."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.endswith(("_created", "_bucket", "_count", "_sum")):
+                continue
+            key = family.name if label is None else sample.labels.get(label)
+            if key is None:
+                continue
+            out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
+async def fetch_router_decisions(session: aiohttp.ClientSession, router_url: str) -> dict[str, float]:
+    """prefix_router_decisions_total by branch; {} when the endpoint is not our router."""
+    try:
+        async with session.get(f"{router_url}/metrics") as resp:
+            if resp.status != 200:
+                return {}
+            text = await resp.text()
+    except aiohttp.ClientError:
+        return {}
+    decisions: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "prefix_router_decisions":
+            for sample in family.samples:
+                if sample.name == "prefix_router_decisions_total":
+                    decisions[sample.labels["branch"]] = sample.value
+    return decisions
+
+
+async def reset_sim(session: aiohttp.ClientSession, urls: Sequence[str]) -> None:
+    """Zero the sim's counters and drop its cached blocks, so runs start alike."""
+    for url in urls:
+        async with session.post(f"{url}/sim/reset") as resp:
+            resp.raise_for_status()
+
+
+# -- the summary ---------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class RunSummary:
+    requests: int
+    errors: int
+    wall_s: float
+    hit_rate: float  # backends' hits / queries (tokens) over the run
+    oracle_hit_rate: float | None
+    ttft_p50_s: float | None
+    ttft_p99_s: float | None
+    latency_p50_s: float | None
+    throughput_rps: float
+    backend_share: dict[str, float]  # share of the run's requests each backend received
+    max_mean_load: float  # the busiest backend's request count over the mean
+    peak_inflight: dict[str, int]  # high-water mark of running + waiting per backend (sim only)
+    overflow_share: float | None  # decisions on overflow or fallback branches / all (our router only)
+    branches: dict[str, float] = field(default_factory=dict)
+    tenant_stickiness_min: float | None = None  # over tenants: share of requests on its top backend
+    tenant_stickiness_mean: float | None = None
+    tenant_spread: float | None = None  # distinct top backends of tenants / min(tenants, backends)
+    first_error: str | None = None
+
+    @property
+    def oracle_ratio(self) -> float | None:
+        if not self.oracle_hit_rate:
+            return None
+        return self.hit_rate / self.oracle_hit_rate
+
+    def as_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["oracle_ratio"] = self.oracle_ratio
+        return out
+
+
+def quantile(values: Sequence[float], q: float) -> float | None:
+    """Nearest-rank quantile (the value below which a share q of the sample lies); None if empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def summarise(
+    results: Sequence[RequestResult],
+    before: dict[str, BackendCounters],
+    after: dict[str, BackendCounters],
+    *,
+    wall_s: float,
+    oracle_hit_rate: float | None = None,
+    decisions_before: dict[str, float] | None = None,
+    decisions_after: dict[str, float] | None = None,
+) -> RunSummary:
+    queries = sum(after[u].queries_tokens - before[u].queries_tokens for u in after)
+    hits = sum(after[u].hits_tokens - before[u].hits_tokens for u in after)
+    per_backend = {u: after[u].requests - before[u].requests for u in after}
+    if not any(per_backend.values()):  # no counters of requests: trust the router's header
+        header_counts = Counter(r.backend for r in results if r.backend)
+        per_backend = {u: float(header_counts.get(u, 0)) for u in after}
+    total_requests = sum(per_backend.values())
+    share = {u: (n / total_requests if total_requests else 0.0) for u, n in per_backend.items()}
+    mean = total_requests / len(per_backend) if per_backend else 0.0
+    ok = [r for r in results if r.ok]
+    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
+    branches: dict[str, float] = {}
+    overflow: float | None = None
+    if decisions_after:
+        base = decisions_before or {}
+        branches = {b: v - base.get(b, 0.0) for b, v in decisions_after.items() if v - base.get(b, 0.0) > 0}
+        placed = sum(branches.values())
+        overflow = (branches.get("overflow", 0.0) + branches.get("fallback", 0.0)) / placed if placed else 0.0
+    errors = [r for r in results if not r.ok]
+    summary = RunSummary(
+        requests=len(results),
+        errors=len(errors),
+        wall_s=wall_s,
+        hit_rate=hits / queries if queries else 0.0,
+        oracle_hit_rate=oracle_hit_rate,
+        ttft_p50_s=quantile(ttfts, 0.5),
+        ttft_p99_s=quantile(ttfts, 0.99),
+        latency_p50_s=quantile([r.latency_s for r in ok], 0.5),
+        throughput_rps=len(ok) / wall_s if wall_s > 0 else 0.0,
+        backend_share=share,
+        max_mean_load=max(per_backend.values()) / mean if mean else 0.0,
+        peak_inflight={u: c.peak_inflight for u, c in after.items() if c.peak_inflight is not None},
+        overflow_share=overflow,
+        branches=branches,
+        first_error=errors[0].error if errors else None,
+    )
+    _add_stickiness(summary, results, len(after))
+    return summary
+
+
+def _add_stickiness(summary: RunSummary, results: Sequence[RequestResult], n_backends: int) -> None:
+    by_tenant: dict[str, Counter[str]] = {}
+    for r in results:
+        if r.tenant is not None and r.backend is not None:
+            by_tenant.setdefault(r.tenant, Counter())[r.backend] += 1
+    if not by_tenant:
+        return
+    sticky = [c.most_common(1)[0][1] / c.total() for c in by_tenant.values()]
+    tops = {c.most_common(1)[0][0] for c in by_tenant.values()}
+    summary.tenant_stickiness_min = min(sticky)
+    summary.tenant_stickiness_mean = statistics.fmean(sticky)
+    summary.tenant_spread = len(tops) / max(1, min(len(by_tenant), n_backends))
+
+
+async def snapshot(
+    session: aiohttp.ClientSession, urls: Sequence[str], *, sim: bool = True
+) -> dict[str, BackendCounters]:
+    """Every backend's counters now, from /sim/stats (sim) or vLLM's /metrics."""
+    fetch = fetch_sim_stats if sim else fetch_vllm_counters
+    values = await asyncio.gather(*(fetch(session, u) for u in urls))
+    return dict(zip(urls, values, strict=True))
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where a run sends requests, and where its counters come from."""
+
+    base_url: str  # the router (or any OpenAI endpoint)
+    backend_urls: tuple[str, ...]
+    sim: bool = True  # /sim/stats and /sim/reset; False: vLLM's /metrics, no reset
+
+
+async def measure(
+    session: aiohttp.ClientSession,
+    target: Target,
+    workload: Workload,
+    *,
+    concurrency: int | None = None,
+    rate_per_s: float | None = None,
+    max_duration_s: float | None = None,
+    oracle_hit_rate: float | None = None,
+    progress: Progress | None = None,
+    reset: bool = True,
+) -> tuple[RunSummary, list[RequestResult]]:
+    """One run: reset (sim), snapshot, drive (closed loop if `concurrency`, else open loop), diff."""
+    if target.sim and reset:
+        await reset_sim(session, target.backend_urls)
+    before = await snapshot(session, target.backend_urls, sim=target.sim)
+    decisions_before = await fetch_router_decisions(session, target.base_url)
+    start = time.monotonic()
+    if concurrency is not None:
+        results = await run_closed_loop(
+            session, target.base_url, workload, concurrency=concurrency, progress=progress
+        )
+    elif rate_per_s is not None:
+        results = await run_open_loop(
+            session, target.base_url, workload, rate_per_s=rate_per_s,
+            max_duration_s=max_duration_s, progress=progress,
+        )  # fmt: skip
+    else:
+        raise ValueError("give concurrency (closed loop) or rate_per_s (open loop)")
+    wall_s = time.monotonic() - start
+    after = await snapshot(session, target.backend_urls, sim=target.sim)
+    decisions_after = await fetch_router_decisions(session, target.base_url)
+    summary = summarise(
+        results, before, after, wall_s=wall_s, oracle_hit_rate=oracle_hit_rate,
+        decisions_before=decisions_before, decisions_after=decisions_after,
+    )  # fmt: skip
+    return summary, results
+
+
+def client_session(limit: int = 512) -> aiohttp.ClientSession:
+    """A session sized for a benchmark: no per-host cap below the concurrency, no total timeout."""
+    connector = aiohttp.TCPConnector(limit=limit, limit_per_host=limit, force_close=False)
+    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
