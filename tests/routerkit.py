@@ -79,3 +79,16 @@ async def eventually(predicate: Callable[[], bool], timeout_s: float = 5.0) -> N
         if loop.time() > deadline:
             raise AssertionError("condition not reached in time")
         await asyncio.sleep(0.01)
+
+
+async def start_side_app(asgi: object, settings: Settings) -> tuple[_Server, asyncio.Task[None], int]:
+    """Serve one of the router's side apps (admin, metrics) on its own loopback port."""
+    sock = free_socket()
+    port = sock.getsockname()[1]
+    server = _Server(uvicorn_config(asgi, settings.server, "127.0.0.1", port, main=False))
+    task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
+    for _ in range(500):
+        if server.started:
+            return server, task, port
+        await asyncio.sleep(0.01)
+    raise RuntimeError("side app did not start")

@@ -100,7 +100,7 @@ class RouterApp:
         self._tasks: list[asyncio.Task[None]] = []
         self.local_app = self._build_local_app()
         self.admin_app = self._build_admin_app()
-        self.metrics_app = self._build_metrics_app()
+        self.metrics_app = self.local_app
 
     # -- ASGI ----------------------------------------------------------------------------------
 
@@ -198,6 +198,7 @@ class RouterApp:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
     def _build_local_app(self) -> FastAPI:
+        """/healthz, /readyz and /metrics; served on the main port and on the metrics port."""
         app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
 
         @app.get("/healthz")
@@ -211,15 +212,6 @@ class RouterApp:
             if not self.backends.is_ready():
                 return JSONResponse({"status": "no healthy backend"}, status_code=503)
             return JSONResponse({"status": "ready"})
-
-        @app.get("/metrics")
-        async def metrics() -> Response:
-            return self._metrics_response()
-
-        return app
-
-    def _build_metrics_app(self) -> FastAPI:
-        app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
 
         @app.get("/metrics")
         async def metrics() -> Response:

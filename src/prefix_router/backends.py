@@ -215,7 +215,9 @@ class BackendSet:
     def _settle(self) -> None:
         for url in [u for u, b in self._backends.items() if b.removed and self.load.inflight(u) == 0]:
             del self._backends[url]
-        members = tuple(sorted((b.url, b.weight) for b in self._backends.values() if not b.removed))
+        # A draining backend stays on the ring (skipped by the walk, as an unhealthy one is) until its
+        # last request ends, so nothing about the placement of other keys changes twice.
+        members = tuple(sorted((b.url, b.weight) for b in self._backends.values()))
         if members != self._ring_members:
             self._ring = HashRing([Member(url, weight) for url, weight in members], self._vnodes)
             self._ring_members = members

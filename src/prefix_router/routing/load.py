@@ -17,7 +17,8 @@ def load_ok(load: float, total: float, n_backends: int, load_factor: float, max_
         return False
     if load + 1 > max_inflight:
         return False
-    return load + 1 <= math.ceil(load_factor * (total + 1) / n_backends)
+    # The epsilon keeps float rounding from lifting the ceiling: 1.1 * 100 / 2 is 55.000000000000007.
+    return load + 1 <= math.ceil(load_factor * (total + 1) / n_backends - 1e-9)
 
 
 class Lease:
