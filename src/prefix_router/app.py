@@ -25,6 +25,7 @@ from prefix_router import errors
 from prefix_router.backends import BackendSet, BackendSpec, HealthPolicy
 from prefix_router.discovery import build_discovery
 from prefix_router.health import HealthProber
+from prefix_router.load_signal import LoadSignalScraper
 from prefix_router.metrics import BackendStatus, FleetSnapshot, RouterMetrics
 from prefix_router.proxy import Proxy
 from prefix_router.routing.picker import Picker
@@ -153,6 +154,9 @@ class RouterApp:
         )
         if discovery is not None:
             self._spawn(discovery.run(self.backends.replace_members), "discovery")
+        if self.settings.load_signal.enabled:
+            scraper = LoadSignalScraper(self.settings.load_signal, self.backends, self.upstream)
+            self._spawn(scraper.run(), "load_signal")
 
     async def stop(self) -> None:
         for task in self._tasks:

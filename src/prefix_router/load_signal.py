@@ -1,0 +1,71 @@
+"""The backends' own load figures, scraped from vLLM's /metrics, so several replicas share one bound.
+
+Each router replica counts only its own in-flight requests; N replicas could each fill a backend to
+max_inflight. vLLM's `vllm:num_requests_running + vllm:num_requests_waiting` counts everyone's, so the
+picker's load becomes this replica's count plus the other replicas' share at the last scrape (see
+routing/load.py, LoadTracker). A failed scrape falls back to local counts alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import aiohttp
+
+from prefix_router.backends import BackendSet
+from prefix_router.settings import LoadSignalSettings
+from prefix_router.upstream import Upstream
+
+log = logging.getLogger("prefix_router.load_signal")
+
+LOAD_METRICS = (b"vllm:num_requests_running", b"vllm:num_requests_waiting")
+
+
+def parse_vllm_load(text: bytes) -> float | None:
+    """running + waiting summed over every series (engines, models); None if neither is present."""
+    total = 0.0
+    found = False
+    for line in text.splitlines():
+        if not line.startswith(LOAD_METRICS[0][:5]):
+            continue
+        for name in LOAD_METRICS:
+            if line.startswith(name) and line[len(name) : len(name) + 1] in (b"{", b" "):
+                try:
+                    total += float(line.rsplit(b" ", 1)[1])
+                    found = True
+                except (IndexError, ValueError):
+                    pass
+    return total if found else None
+
+
+class LoadSignalScraper:
+    def __init__(self, settings: LoadSignalSettings, backends: BackendSet, upstream: Upstream) -> None:
+        self._settings = settings
+        self._backends = backends
+        self._upstream = upstream
+
+    async def run(self) -> None:
+        while True:
+            await self.scrape_all()
+            await asyncio.sleep(self._settings.interval_s)
+
+    async def scrape_all(self) -> None:
+        urls = [b.url for b in self._backends.backends() if not b.removed]
+        await asyncio.gather(*(self._scrape(url) for url in urls))
+
+    async def _scrape(self, url: str) -> None:
+        load = None
+        try:
+            async with asyncio.timeout(self._settings.timeout_s):
+                async with self._upstream.session.get(
+                    url + self._settings.path, allow_redirects=False
+                ) as resp:
+                    if resp.status == 200:
+                        load = parse_vllm_load(await resp.read())
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            log.debug("load scrape of %s failed: %s", url, type(exc).__name__)
+        if load is None:
+            self._backends.load.clear_external(url)
+        else:
+            self._backends.load.set_external(url, load)
