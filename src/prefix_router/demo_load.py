@@ -33,13 +33,13 @@ MAX_TOKENS = 16
 
 
 def load_sim_config(workload_groups: int, system_tokens: int, backends: int, concurrency: int) -> SimConfig:
-    """Per-backend cache: room for 1.5x a fair share of the group prefixes, plus a whole prompt for
+    """Per-backend cache: room for twice a fair share of the group prefixes, plus a whole prompt for
     each request a backend runs at once (a cold prompt holds all its blocks until prefill ends) —
     enough for affinity, too little for every group on every backend."""
     return cache_sensitive_config(
         prefix_tokens=system_tokens,
         prompt_tokens=system_tokens + 160,
-        prefixes_per_backend=1.5 * workload_groups / backends,
+        prefixes_per_backend=2 * workload_groups / backends,
         running_per_backend=math.ceil(concurrency / backends),
     )
 

@@ -336,13 +336,16 @@ def cache_sensitive_config(
     max_num_seqs: int = 256,
     base: SimConfig | None = None,
 ) -> SimConfig:
-    """A sim config whose KV cache holds `prefixes_per_backend` shared prefixes plus a whole cold
-    prompt per running request (a cold prompt holds all its blocks until its prefill ends): a policy
-    that keeps groups together fits, one that sends every group everywhere evicts."""
+    """A sim config whose KV cache holds `prefixes_per_backend` shared prefixes, the private
+    suffixes of `running_per_backend` requests, and one cold prefix being prefilled: a policy that
+    keeps groups together fits; one that sends every group everywhere evicts, and its cold prompts
+    (each holding all its blocks until its prefill ends) wait for room, as they would on vLLM."""
     cfg = base or SimConfig(prefill_ms_per_token=PLACEMENT_PREFILL_MS_PER_TOKEN, max_num_seqs=max_num_seqs)
     block = cfg.block_size
-    capacity = math.ceil(prefixes_per_backend) * (math.ceil(prefix_tokens / block) + 1)
-    capacity += max(1, running_per_backend) * (math.ceil(prompt_tokens / block) + 1)
+    prefix_blocks = math.ceil(prefix_tokens / block) + 1
+    suffix_blocks = math.ceil(max(prompt_tokens - prefix_tokens, 1) / block) + 1
+    capacity = (math.ceil(prefixes_per_backend) + 1) * prefix_blocks
+    capacity += max(1, running_per_backend) * suffix_blocks
     return dataclasses.replace(cfg, capacity_blocks=capacity)
 
 

@@ -1,0 +1,473 @@
+"""Routing quality on a simulated vLLM fleet: policies x workloads, closed and open loop.
+
+Real HTTP end to end: this process runs the simulated fleet and the load driver; each router (ours,
+one per policy variant, or SGLang's cache_aware when `sglang_router` is installed) runs as its own
+subprocess on 127.0.0.1, started fresh for every run so no run inherits another's prefix index.
+Per cell: hit rate (the backends' own counters) against the oracle, TTFT p50/p99, throughput,
+max/mean load, peak in-flight, overflow share, tenant stickiness.
+
+The simulated fleet (per workload, see `fleet_config`): prefill 0.25 ms per uncached token (the
+llm-d-inference-sim example figure; a cold 2k-token prefix costs ~0.5 s, a warm one ~60 ms), a KV
+cache that fits ~2x a fair share of the workload's prefixes plus the running prompts, and
+max_num_seqs 8, so a backend given more than its share queues and its TTFT shows it.
+
+    python benchmarks/routing_quality.py            # default, ~10 minutes on 2 cores
+    python benchmarks/routing_quality.py --quick    # a few minutes
+    python benchmarks/routing_quality.py --backends http://gpu1:8000 http://gpu2:8000  # real vLLM
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import os
+import platform
+import shlex
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+from prefix_router import __version__
+from prefix_router.sim.config import SimConfig
+from prefix_router.sim.fleet import SimFleet
+from prefix_router.sim.loadgen import RunSummary, Target, client_session, measure
+from prefix_router.sim.workloads import (
+    Workload,
+    cache_sensitive_config,
+    hot_prefix,
+    long_context,
+    multi_turn,
+    oracle_hit_rate,
+    shared_prefix,
+    tenants,
+)
+
+RESULTS_DIR = Path(__file__).parent / "results"
+MAX_NUM_SEQS = 8  # per simulated backend; the router's max_inflight is twice this
+ROUTER_MAX_INFLIGHT = 16
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    name: str
+    settings: dict[str, Any]  # router settings overrides (ours); empty for sglang
+    sglang: bool = False
+
+
+POLICIES: tuple[PolicySpec, ...] = (
+    PolicySpec("random", {"balancing": {"policy": "random"}}),
+    PolicySpec("round_robin", {"balancing": {"policy": "round_robin"}}),
+    PolicySpec("least_loaded", {"balancing": {"policy": "least_loaded"}}),
+    PolicySpec("prefix_nospill", {"balancing": {"policy": "prefix", "spill": False}}),
+    PolicySpec("prefix", {"balancing": {"policy": "prefix"}}),
+    PolicySpec("prefix_ring", {"balancing": {"policy": "prefix"}, "routing": {"prefix_index": False}}),
+    # A settings experiment, not a default: a looser bound (c = 2) spills less at small in-flight counts.
+    PolicySpec("prefix_c2", {"balancing": {"policy": "prefix", "load_factor": 2.0}}),
+)
+SGLANG = PolicySpec("sglang_cache_aware", {}, sglang=True)
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """A workload, the shape of the fleet it runs on, and how it is driven."""
+
+    workload: Workload
+    prefix_tokens: int  # the shared prefix of a group (sizes the cache)
+    prompt_tokens: int  # a typical whole prompt
+    groups: int  # distinct prefixes
+    concurrency: int
+    rate_per_s: float  # open loop
+
+
+def build_workloads(quick: bool) -> list[WorkloadSpec]:
+    k = 1 if quick else 2
+    groups = 12 if quick else 16
+    return [
+        WorkloadSpec(shared_prefix(groups=groups, prompts_per_group=8 * k), 2048, 2200, groups, 16, 30.0),
+        WorkloadSpec(long_context(documents=4 * k, questions_per_document=8 * k), 8000, 8100, 4 * k, 8, 6.0),
+        WorkloadSpec(multi_turn(conversations=24 * k), 1500, 3000, 24 * k, 16, 25.0),
+        WorkloadSpec(hot_prefix(requests=160 * k, cold_groups=12 * k), 1024, 1200, 12 * k + 1, 32, 50.0),
+        WorkloadSpec(tenants(tenant_count=12 * k, requests_per_tenant=8 * k), 1024, 1100, 36 * k, 16, 40.0),
+    ]  # fmt: skip
+
+
+def fleet_config(spec: WorkloadSpec, backends: int) -> SimConfig:
+    return cache_sensitive_config(
+        prefix_tokens=spec.prefix_tokens,
+        prompt_tokens=spec.prompt_tokens,
+        prefixes_per_backend=2 * spec.groups / backends,
+        running_per_backend=min(MAX_NUM_SEQS, math.ceil(spec.concurrency / backends) + 2),
+        max_num_seqs=MAX_NUM_SEQS,
+    )
+
+
+# -- routers as subprocesses ---------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def wait_ready(session: aiohttp.ClientSession, url: str, proc: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"router exited with {proc.returncode}")
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+            async with session.get(url, timeout=aiohttp.ClientTimeout(total=1)) as resp:
+                if resp.status == 200:
+                    return
+        await asyncio.sleep(0.1)
+    raise RuntimeError(f"router not ready at {url}")
+
+
+def router_command(policy: PolicySpec, urls: list[str], port: int, workdir: Path) -> list[str]:
+    if policy.sglang:
+        return [
+            sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *urls,
+            "--policy", "cache_aware", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warn",
+        ]  # fmt: skip
+    config: dict[str, Any] = {
+        "server": {"host": "127.0.0.1", "port": port, "log_level": "warning"},
+        "backends": [{"url": u} for u in urls],
+        "balancing": {"max_inflight": ROUTER_MAX_INFLIGHT},
+        "health": {"interval_s": 2.0},
+    }
+    for section, values in policy.settings.items():
+        config.setdefault(section, {}).update(values)
+    path = workdir / f"router-{policy.name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return [sys.executable, "-m", "prefix_router", "serve", "--config", str(path)]
+
+
+@contextlib.asynccontextmanager
+async def router_process(
+    session: aiohttp.ClientSession, policy: PolicySpec, urls: list[str], workdir: Path
+) -> AsyncIterator[tuple[str, list[str]]]:
+    port = free_port()
+    cmd = router_command(policy, urls, port, workdir)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFIX_ROUTER_")}
+    # Opening a local file and spawning a process do not block the loop for long; benchmark code.
+    log = open(workdir / f"router-{policy.name}.log", "ab")  # noqa: SIM115, ASYNC230 - closed below
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)  # noqa: ASYNC220
+    base = f"http://127.0.0.1:{port}"
+    try:
+        await wait_ready(session, base + ("/readiness" if policy.sglang else "/readyz"), proc)
+        if policy.sglang:
+            await asyncio.sleep(1.0)  # its workers register asynchronously after /readiness
+        yield base, cmd
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def sglang_available() -> bool:
+    try:
+        import sglang_router  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# -- runs -----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Cell:
+    workload: str
+    policy: str
+    mode: str  # closed | open
+    summary: RunSummary
+    command: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+async def run_cell(
+    session: aiohttp.ClientSession,
+    policy: PolicySpec,
+    spec: WorkloadSpec,
+    urls: list[str],
+    mode: str,
+    oracle: float | None,
+    workdir: Path,
+    sim: bool,
+    open_duration_s: float,
+) -> Cell:
+    async with router_process(session, policy, urls, workdir) as (base, cmd):
+        summary, _ = await measure(
+            session,
+            Target(base, tuple(urls), sim=sim),
+            spec.workload,
+            concurrency=spec.concurrency if mode == "closed" else None,
+            rate_per_s=spec.rate_per_s if mode == "open" else None,
+            max_duration_s=open_duration_s,
+            oracle_hit_rate=oracle,
+        )
+    return Cell(spec.workload.name, policy.name, mode, summary, shlex.join(cmd))
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0%}"
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1000:.0f}"
+
+
+def markdown_table(cells: list[Cell]) -> str:
+    head = (
+        "| workload | mode | policy | hit rate | oracle | hit/oracle | TTFT p50 ms | TTFT p99 ms | req/s "
+        "| max/mean load | peak in-flight | overflow | sticky min | spread | errors |"
+    )
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for c in cells:
+        s = c.summary
+        peak = max(s.peak_inflight.values()) if s.peak_inflight else None
+        lines.append(
+            f"| {c.workload} | {c.mode} | {c.policy} | {s.hit_rate:.1%} | {_pct(s.oracle_hit_rate)} "
+            f"| {_pct(s.oracle_ratio)} | {_ms(s.ttft_p50_s)} | {_ms(s.ttft_p99_s)} | {s.throughput_rps:.1f} "
+            f"| {s.max_mean_load:.2f} | {'-' if peak is None else peak} | {_pct(s.overflow_share)} "
+            f"| {_pct(s.tenant_stickiness_min)} | {_pct(s.tenant_spread)} | {s.errors} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(cells: list[Cell], out: Path) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -e '.[bench]'): skipping plots")
+        return []
+    written: list[Path] = []
+    for mode in ("closed", "open"):
+        chosen = [c for c in cells if c.mode == mode]
+        if not chosen:
+            continue
+        workloads = list(dict.fromkeys(c.workload for c in chosen))
+        policies = list(dict.fromkeys(c.policy for c in chosen))
+        fig, axes = plt.subplots(1, 2, figsize=(14, 4.5))
+        width = 0.8 / len(policies)
+        for i, policy in enumerate(policies):
+            by_w = {c.workload: c.summary for c in chosen if c.policy == policy}
+            xs = [w + i * width for w in range(len(workloads))]
+            axes[0].bar(xs, [(by_w[w].oracle_ratio or 0) if w in by_w else 0 for w in workloads], width,
+                        label=policy)  # fmt: skip
+            axes[1].bar(xs, [(by_w[w].ttft_p50_s or 0) * 1000 if w in by_w else 0 for w in workloads], width,
+                        label=policy)  # fmt: skip
+        for ax, title in zip(axes, ("hit rate / oracle", "TTFT p50 (ms)"), strict=True):
+            ax.set_xticks([w + 0.4 - width / 2 for w in range(len(workloads))], workloads)
+            ax.set_title(f"{title}, {mode} loop")
+        axes[0].legend(fontsize=8)
+        fig.tight_layout()
+        path = out.with_name(f"{out.stem}-{mode}.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+# -- targets -------------------------------------------------------------------------------------------
+
+
+def check_targets(cells: list[Cell]) -> list[str]:
+    """Each target of the issue, met or missed, with its figures (closed-loop cells)."""
+    get: Callable[[str, str], RunSummary | None] = lambda w, p: next(  # noqa: E731
+        (c.summary for c in cells if c.workload == w and c.policy == p and c.mode == "closed"), None
+    )
+    out: list[str] = []
+
+    def verdict(ok: bool, text: str) -> None:
+        out.append(f"- [{'met' if ok else 'MISSED'}] {text}")
+
+    for w in ("shared_prefix", "long_context"):
+        ours, rnd, sgl = get(w, "prefix"), get(w, "random"), get(w, "sglang_cache_aware")
+        if ours is None or rnd is None:
+            continue
+        r = ours.oracle_ratio or 0
+        verdict(r >= 0.95, f"{w}: hit rate {ours.hit_rate:.1%} = {r:.0%} of oracle (target >= 95%)")
+        if ours.ttft_p50_s and rnd.ttft_p50_s:
+            x = rnd.ttft_p50_s / ours.ttft_p50_s
+            verdict(x >= 3, f"{w}: TTFT p50 {x:.1f}x lower than random (target >= 3x)")
+        if sgl is not None:
+            text = f"{w}: hit rate {ours.hit_rate:.1%} vs SGLang cache_aware {sgl.hit_rate:.1%}"
+            verdict(ours.hit_rate >= sgl.hit_rate, text)
+    ours, ring = get("multi_turn", "prefix"), get("multi_turn", "prefix_ring")
+    if ours is not None:
+        r = ours.oracle_ratio or 0
+        ring_r = f"; plain ring {ring.oracle_ratio or 0:.0%}" if ring is not None else ""
+        verdict(r >= 0.90, f"multi_turn: hit rate {r:.0%} of oracle (target >= 90%){ring_r}")
+    ours, ll = get("hot_prefix", "prefix"), get("hot_prefix", "least_loaded")
+    if ours is not None and ll is not None:
+        peak = max(ours.peak_inflight.values()) if ours.peak_inflight else 0
+        verdict(
+            peak <= ROUTER_MAX_INFLIGHT,
+            f"hot_prefix: peak in-flight {peak} (max_inflight {ROUTER_MAX_INFLIGHT})",
+        )
+        if ours.ttft_p99_s and ll.ttft_p99_s:
+            x = ours.ttft_p99_s / ll.ttft_p99_s
+            verdict(x <= 1.3, f"hot_prefix: TTFT p99 {x:.2f}x least_loaded's (target <= 1.3x)")
+        r = ours.oracle_ratio or 0
+        verdict(r >= 0.80, f"hot_prefix: hit rate {r:.0%} of oracle (target >= 80%)")
+    ours = get("tenants", "prefix")
+    if ours is not None and ours.tenant_stickiness_min is not None:
+        text = f"tenants: least sticky tenant {ours.tenant_stickiness_min:.0%} on its top backend"
+        verdict(ours.tenant_stickiness_min >= 0.99, text)
+        verdict((ours.tenant_spread or 0) >= 0.99 and ours.max_mean_load <= 1.5,
+                f"tenants: top backends cover {ours.tenant_spread:.0%} of the fleet, max/mean load "
+                f"{ours.max_mean_load:.2f}")  # fmt: skip
+    return out
+
+
+# -- main -----------------------------------------------------------------------------------------------
+
+
+async def run(args: argparse.Namespace) -> int:
+    # SGLang's router probes workers with an HTTP/2 preface first; the sim's aiohttp logs each one.
+    logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
+    specs = build_workloads(args.quick)
+    if args.workloads:
+        specs = [s for s in specs if s.workload.name in args.workloads]
+    policies = [p for p in POLICIES if not args.policies or p.name in args.policies]
+    if not args.no_sglang and sglang_available() and (not args.policies or SGLANG.name in args.policies):
+        policies.append(SGLANG)
+    elif not args.no_sglang:
+        print("sglang_router is not installed (pip install sglang-router): no SGLang column")
+    modes = ["closed"] if args.closed_only else ["closed", "open"]
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = RESULTS_DIR / f"routing_quality-{stamp}"
+    cells: list[Cell] = []
+    print(f"machine: {platform.platform()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
+          f"prefix-router {__version__}")  # fmt: skip
+    print("command: " + shlex.join([sys.executable, *sys.argv]))
+    with tempfile.TemporaryDirectory(prefix="routing-quality-") as tmp:
+        workdir = Path(tmp)
+        async with client_session() as session:
+            for spec in specs:
+                cells += await run_workload(session, spec, policies, modes, workdir, args)
+                print(markdown_table([c for c in cells if c.workload == spec.workload.name]), flush=True)
+    table = markdown_table(cells)
+    targets = check_targets(cells)
+    print("\n" + table + "\n\nTargets:\n" + "\n".join(targets))
+    doc = {
+        "command": shlex.join([sys.executable, *sys.argv]),
+        "machine": {
+            "platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()
+        },
+        "cells": [
+            {"workload": c.workload, "policy": c.policy, "mode": c.mode, "router_command": c.command,
+             **c.extra, **c.summary.as_dict()}
+            for c in cells
+        ],
+        "targets": targets,
+    }  # fmt: skip
+    out.with_suffix(".json").write_text(json.dumps(doc, indent=2))
+    out.with_suffix(".md").write_text(table + "\n\nTargets:\n" + "\n".join(targets) + "\n")
+    print(f"\nwrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
+    for path in plot(cells, out):
+        print(f"wrote {path}")
+    return 0
+
+
+async def run_workload(
+    session: aiohttp.ClientSession,
+    spec: WorkloadSpec,
+    policies: list[PolicySpec],
+    modes: list[str],
+    workdir: Path,
+    args: argparse.Namespace,
+) -> list[Cell]:
+    name = spec.workload.name
+    cells: list[Cell] = []
+    if args.backends:
+        urls = list(args.backends)
+        oracle = None
+        print(f"\n== {name}: {spec.workload.description}; external backends {urls} (no oracle)")
+        fleet_ctx: Any = contextlib.nullcontext()
+        cfg = None
+    else:
+        cfg = fleet_config(spec, args.fleet)
+        fleet_ctx = SimFleet(cfg, count=args.fleet)
+    async with fleet_ctx as fleet:
+        if fleet is not None:
+            urls = fleet.urls
+            total = cfg.capacity_blocks * args.fleet if cfg else None
+            oracle = oracle_hit_rate(spec.workload, block_size=16, capacity_blocks=total).hit_rate
+            print(f"\n== {name}: {spec.workload.description}; {args.fleet} sim backends, "
+                  f"{cfg.capacity_blocks if cfg else '?'} KV blocks each, max_num_seqs {MAX_NUM_SEQS}; "
+                  f"oracle {oracle:.1%}", flush=True)  # fmt: skip
+        for mode in modes:
+            for policy in policies:
+                t0 = time.monotonic()
+                cell = await run_cell(
+                    session, policy, spec, urls, mode, oracle, workdir, not args.backends, args.open_duration
+                )
+                s = cell.summary
+                print(f"  {mode:6} {policy.name:20} hit {s.hit_rate:6.1%}  p50 {_ms(s.ttft_p50_s):>5} ms  "
+                      f"p99 {_ms(s.ttft_p99_s):>5} ms  {s.throughput_rps:5.1f} req/s  errors {s.errors}  "
+                      f"({time.monotonic() - t0:.0f} s)", flush=True)  # fmt: skip
+                print(f"    router: {cell.command}")
+                print(f"    reproduce: {reproduce_command(args, name, policy.name, mode)}")
+                cells.append(cell)
+    return cells
+
+
+def reproduce_command(args: argparse.Namespace, workload: str, policy: str, mode: str) -> str:
+    cmd = [sys.executable, "benchmarks/routing_quality.py", "--workloads", workload, "--policies", policy]
+    if args.quick:
+        cmd.append("--quick")
+    if mode == "closed":
+        cmd.append("--closed-only")
+    if args.backends:
+        cmd += ["--backends", *args.backends]
+    else:
+        cmd += ["--fleet", str(args.fleet)]
+    return shlex.join(cmd)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="smaller workloads: a few minutes")
+    parser.add_argument("--fleet", type=int, default=4, help="simulated backends (default: %(default)s)")
+    parser.add_argument(
+        "--backends", nargs="+", metavar="URL",
+        help="run against these external OpenAI servers (e.g. vLLM) instead of the sim",
+    )  # fmt: skip
+    parser.add_argument("--workloads", nargs="+", help="only these workloads")
+    parser.add_argument("--policies", nargs="+", help="only these policies")
+    parser.add_argument("--closed-only", action="store_true", help="skip the open-loop (Poisson) runs")
+    parser.add_argument("--no-sglang", action="store_true", help="skip SGLang's router even if installed")
+    parser.add_argument(
+        "--open-duration", type=float, default=60.0,
+        help="open loop: stop arrivals after this many seconds (default: %(default)s)",
+    )  # fmt: skip
+    return asyncio.run(run(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,108 @@
+"""The load driver against simulated backends: streaming measurements, counters, summaries."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+
+from prefix_router.sim.config import SimConfig
+from prefix_router.sim.fleet import SimFleet
+from prefix_router.sim.loadgen import (
+    BackendCounters,
+    Progress,
+    RequestResult,
+    Target,
+    client_session,
+    fetch_vllm_counters,
+    measure,
+    quantile,
+    run_open_loop,
+    summarise,
+)
+from prefix_router.sim.workloads import multi_turn, shared_prefix
+
+FAST = SimConfig(overhead_ms=1.0, prefill_ms_per_token=0.001, itl_ms=0.2)
+
+
+@pytest.fixture
+async def fleet() -> AsyncIterator[SimFleet]:
+    async with SimFleet(FAST, count=2) as running:
+        yield running
+
+
+async def test_closed_loop_against_one_backend_measures_what_the_backend_counted(fleet: SimFleet) -> None:
+    url = fleet.urls[0]
+    workload = shared_prefix(
+        groups=2, prompts_per_group=4, system_tokens=128, question_tokens=16, max_tokens=3
+    )
+    progress = Progress()
+    async with client_session() as session:
+        summary, results = await measure(
+            session, Target(url, (url,)), workload, concurrency=1, progress=progress
+        )
+        counters = await fetch_vllm_counters(session, url)
+    assert progress.done == len(results) == 8 and summary.errors == 0
+    for r in results:
+        assert r.ok and r.ttft_s is not None and 0 < r.ttft_s <= r.latency_s
+        assert r.prompt_tokens and r.cached_tokens is not None
+    # The backend's own counters and the usage the client saw agree, one request at a time.
+    assert summary.hit_rate == pytest.approx(
+        sum(r.cached_tokens or 0 for r in results) / sum(r.prompt_tokens or 0 for r in results)
+    )
+    assert summary.hit_rate > 0.5
+    assert summary.backend_share == {url: 1.0} and summary.max_mean_load == 1.0
+    assert counters.queries_tokens == sum(r.prompt_tokens or 0 for r in results)
+
+
+async def test_multi_turn_requests_wait_for_their_previous_turn(fleet: SimFleet) -> None:
+    workload = multi_turn(conversations=3, min_turns=2, max_turns=3, user_median_tokens=10, max_tokens=2)
+    url = fleet.urls[1]
+    async with client_session() as session:
+        summary, results = await measure(session, Target(url, (url,)), workload, concurrency=8)
+    assert summary.errors == 0 and len(results) == len(workload)
+    # Every later turn hits at least the earlier turn's full blocks, so it was sent after it ended.
+    for r in results:
+        if workload.requests[r.index].after is not None:
+            assert (r.cached_tokens or 0) > 0
+
+
+async def test_open_loop_is_bounded_in_count_and_time(fleet: SimFleet) -> None:
+    workload = shared_prefix(
+        groups=1, prompts_per_group=50, system_tokens=32, question_tokens=4, max_tokens=1
+    )
+    async with client_session() as session:
+        by_count = await run_open_loop(session, fleet.urls[0], workload, rate_per_s=500, max_requests=5)
+        by_time = await run_open_loop(session, fleet.urls[0], workload, rate_per_s=20, max_duration_s=0.3)
+    assert len(by_count) == 5 and all(r.ok for r in by_count)
+    assert 0 <= len(by_time) < 20
+
+
+def test_quantile_is_nearest_rank() -> None:
+    assert quantile([], 0.5) is None
+    assert quantile([3.0, 1.0, 2.0], 0.5) == 2.0
+    assert quantile([float(i) for i in range(1, 101)], 0.99) == 99.0
+
+
+def test_summary_of_loads_overflow_and_tenant_stickiness() -> None:
+    before = {u: BackendCounters(0, 0, 0, 0) for u in ("a", "b")}
+    after = {"a": BackendCounters(100, 60, 3, 2), "b": BackendCounters(100, 20, 1, 1)}
+    results = [
+        RequestResult(0, "t1", "t1", 200, None, 0.1, 0.2, "a"),
+        RequestResult(1, "t1", "t1", 200, None, 0.3, 0.4, "a"),
+        RequestResult(2, "t2", "t2", 200, None, 0.2, 0.3, "b"),
+        RequestResult(3, "t2", "t2", 200, None, 0.2, 0.3, "a"),
+        RequestResult(4, "t2", "t2", 200, None, 0.2, 0.3, "a"),
+    ]
+    s = summarise(
+        results, before, after, wall_s=2.0, oracle_hit_rate=0.8,
+        decisions_before={"affinity": 1.0}, decisions_after={"affinity": 4.0, "overflow": 1.0},
+    )  # fmt: skip
+    assert s.hit_rate == pytest.approx(0.4) and s.oracle_ratio == pytest.approx(0.5)
+    assert s.backend_share == {"a": 0.75, "b": 0.25} and s.max_mean_load == pytest.approx(1.5)
+    assert s.overflow_share == pytest.approx(0.25) and s.throughput_rps == 2.5
+    assert s.tenant_stickiness_min == pytest.approx(2 / 3) and s.tenant_stickiness_mean == pytest.approx(
+        5 / 6
+    )
+    assert s.tenant_spread == 0.5  # both tenants' top backend is "a"
+    assert s.peak_inflight == {"a": 2, "b": 1}

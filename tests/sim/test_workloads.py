@@ -1,0 +1,130 @@
+"""Workloads are deterministic, have their documented shape, and the oracle's arithmetic is the sim's."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefix_router.sim.cache import hash_prompt_blocks
+from prefix_router.sim.tokens import render_chat, tokenize_text
+from prefix_router.sim.workloads import (
+    TENANT_HEADER,
+    WORKLOADS,
+    Workload,
+    hot_prefix,
+    long_context,
+    multi_turn,
+    oracle_from_blocks,
+    oracle_hit_rate,
+    prompt_blocks,
+    shared_prefix,
+    tenants,
+)
+
+
+def text_of(body: dict[str, object]) -> str:
+    return "".join(m["content"] for m in body["messages"])  # type: ignore[attr-defined,index]
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_same_seed_same_requests_other_seed_other_requests(name: str) -> None:
+    make = WORKLOADS[name]
+    assert make() == make()
+    assert make(seed=99).requests != make().requests
+
+
+def test_shared_prefix_shape() -> None:
+    w = shared_prefix(groups=3, prompts_per_group=5, system_tokens=100, question_tokens=10)
+    assert len(w) == 15
+    by_group: dict[str, list[str]] = {}
+    for r in w.requests:
+        system, user = r.body["messages"]
+        assert len(system["content"]) == 400 and len(user["content"]) == 40  # exact: 4 chars a token
+        by_group.setdefault(r.group, []).append(system["content"])
+    assert sorted(by_group) == ["g0", "g1", "g2"]
+    assert all(len(set(systems)) == 1 and len(systems) == 5 for systems in by_group.values())
+    assert len({systems[0] for systems in by_group.values()}) == 3
+    assert [r.group for r in w.requests] != sorted(r.group for r in w.requests)  # shuffled
+
+
+def test_long_context_prefixes_are_8000_tokens() -> None:
+    w = long_context(documents=2, questions_per_document=3)
+    assert len(w) == 6
+    assert all(len(r.body["messages"][0]["content"]) >= 8000 * 4 for r in w.requests)
+
+
+def test_multi_turn_each_turn_extends_the_previous_one() -> None:
+    w = multi_turn(conversations=10)
+    for i, r in enumerate(w.requests):
+        if r.after is None:
+            assert len(r.body["messages"]) == 2  # system + first user message
+            continue
+        assert r.after < i
+        prev = w.requests[r.after]
+        assert prev.group == r.group
+        n = len(prev.body["messages"])
+        assert r.body["messages"][:n] == prev.body["messages"]
+        assert [m["role"] for m in r.body["messages"][n:]] == ["assistant", "user"]
+    # Some requests stay under the router's default 4096-character key, some go far past it.
+    lengths = [len(text_of(r.body)) for r in w.requests]
+    assert min(lengths) < 4096 < max(lengths)
+
+
+def test_hot_prefix_share_is_about_half() -> None:
+    w = hot_prefix(requests=400)
+    share = sum(r.group == "hot" for r in w.requests) / len(w)
+    assert 0.4 < share < 0.6
+
+
+def test_tenants_send_identical_prompts_under_distinct_keys() -> None:
+    w = tenants(tenant_count=4, requests_per_tenant=3)
+    assert len(w) == 12
+    assert {r.tenant for r in w.requests} == {f"tenant-{t:03d}" for t in range(4)}
+    for r in w.requests:
+        assert r.headers() == {TENANT_HEADER: r.tenant}
+        assert r.body["cache_salt"] == r.tenant
+    prompts = {
+        t: sorted(text_of(r.body) for r in w.requests if r.tenant == t) for t in {"tenant-000", "tenant-001"}
+    }
+    assert prompts["tenant-000"] == prompts["tenant-001"]
+
+
+def test_prompt_blocks_match_the_sims_rendering() -> None:
+    body = {"messages": [{"role": "system", "content": "a" * 100}, {"role": "user", "content": "b" * 30}]}
+    n, hashes = prompt_blocks(body, 4)
+    rendered = render_chat([_msg("system", "a" * 100), _msg("user", "b" * 30)])
+    assert n == tokenize_text(rendered).num_tokens
+    assert hashes == hash_prompt_blocks(tokenize_text(rendered), 4)
+
+
+def _msg(role: str, content: str):  # type: ignore[no-untyped-def]
+    from prefix_router.sim.tokens import ChatMessage
+
+    return ChatMessage(role, content)
+
+
+def test_oracle_on_a_hand_computed_example() -> None:
+    # Block size 4. A: 10 tokens, blocks [1, 2] (2 full blocks); B: 13 tokens, blocks [1, 2, 3]:
+    # shares A's 2 blocks -> 8 hit tokens (limit floor(12/4) = 3). C: 9 tokens, blocks [1, 9]: 1 block
+    # shared -> 4. D = A again: floor(9/4) = 2 blocks -> 8 (the last token is never a hit).
+    # E: 8 tokens, blocks [7, 8]: nothing shared -> 0. Total 8 + 4 + 8 = 20 of 10 + 13 + 9 + 10 + 8 = 50.
+    prompts = [(10, [1, 2]), (13, [1, 2, 3]), (9, [1, 9]), (10, [1, 2]), (8, [7, 8])]
+    result = oracle_from_blocks(prompts, block_size=4, capacity_blocks=None)
+    assert (result.hit_tokens, result.prompt_tokens) == (20, 50)
+    assert result.hit_rate == pytest.approx(0.4)
+
+
+def test_oracle_forgets_what_the_cache_cannot_hold() -> None:
+    # Capacity 2 blocks: after [1, 2] then [5, 6], block 1 and 2 are gone; a repeat of A misses.
+    prompts = [(9, [1, 2]), (9, [5, 6]), (9, [1, 2])]
+    assert oracle_from_blocks(prompts, block_size=4, capacity_blocks=2).hit_tokens == 0
+    assert oracle_from_blocks(prompts, block_size=4, capacity_blocks=4).hit_tokens == 8
+    # The prefix is kept over the tail: [1, 2, 3] in a pool of 2 keeps 1 and 2.
+    assert oracle_from_blocks([(13, [1, 2, 3]), (9, [1, 2])], block_size=4, capacity_blocks=2).hit_tokens == 8
+
+
+def test_oracle_of_a_shared_prefix_workload() -> None:
+    w: Workload = shared_prefix(groups=2, prompts_per_group=4, system_tokens=64, question_tokens=16)
+    result = oracle_hit_rate(w, block_size=16, capacity_blocks=None)
+    # Each group's first request misses; the other 3 hit the system prompt's full blocks at least.
+    assert result.hit_tokens >= 2 * 3 * 64
+    assert 0.5 < result.hit_rate < 1.0
