@@ -1,0 +1,283 @@
+"""The picker: the bound holds whenever it can, affinity and overflow follow the ring walk, the prefix
+index follows a conversation, and the baseline policies do what their names say."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefix_router.routing.config import BalanceConfig, KeyConfig, Policy
+from prefix_router.routing.keys import KeySource, RoutingKey, extract_key
+from prefix_router.routing.load import LoadTracker, load_ok
+from prefix_router.routing.picker import Branch, Candidates, Picker
+from prefix_router.routing.ring import HashRing, Member
+
+IDS = [f"http://10.0.2.{i}:8000" for i in range(8)]
+RING = HashRing([Member(i) for i in IDS], 160)
+ALL = Candidates.of(IDS)
+
+
+def bare_key(ring_hash: int, blocks: tuple[int, ...] = ()) -> RoutingKey:
+    return RoutingKey(ring_hash=ring_hash, blocks=blocks, source=KeySource.RAW, model=None, tenant=None)
+
+
+def tracker_with(loads: dict[str, int]) -> LoadTracker:
+    tracker = LoadTracker()
+    for backend, n in loads.items():
+        for _ in range(n):
+            tracker.acquire(backend)
+    return tracker
+
+
+def chat_key(*contents: str) -> RoutingKey:
+    system = {"role": "system", "content": "You are a careful assistant. " * 30}
+    roles = ["user", "assistant"]
+    messages = [system] + [{"role": roles[i % 2], "content": c} for i, c in enumerate(contents)]
+    return extract_key(
+        "/v1/chat/completions", orjson.dumps({"model": "m", "messages": messages}), None, KeyConfig()
+    )
+
+
+def fits(backend: str, load: LoadTracker, candidates: Candidates, config: BalanceConfig) -> bool:
+    n = len(candidates.ids)
+    return load_ok(load.load(backend), load.total_load(), n, config.load_factor, config.max_inflight)
+
+
+@settings(max_examples=300)
+@given(
+    st.lists(st.integers(0, 12), min_size=8, max_size=8),
+    st.sets(st.sampled_from(IDS), min_size=1),
+    st.integers(0, 2**64 - 1),
+    st.sampled_from([1.0, 1.25, 2.0]),
+    st.integers(1, 16),
+    st.lists(st.tuples(st.integers(1, 6), st.sampled_from(IDS)), max_size=4),
+    st.dictionaries(st.sampled_from(IDS), st.integers(0, 10), max_size=3),
+)
+def test_bound_holds_whenever_some_backend_is_under_it(
+    loads: list[int],
+    candidate_ids: set[str],
+    ring_hash: int,
+    load_factor: float,
+    max_inflight: int,
+    placements: list[tuple[int, str]],
+    external: dict[str, int],
+) -> None:
+    config = BalanceConfig(load_factor=load_factor, max_inflight=max_inflight)
+    load = tracker_with(dict(zip(IDS, loads, strict=True)))
+    for backend, scraped in external.items():
+        load.set_external(backend, float(scraped))
+    picker = Picker(config, random.Random(0))
+    key = bare_key(ring_hash, blocks=(1, 2, 3, 4, 5, 6))
+    for depth, backend in placements:  # the index may point anywhere, even at full or absent backends
+        picker.placed(bare_key(0, blocks=key.blocks[:depth]), backend)
+    candidates = Candidates.of(candidate_ids)
+
+    decision = picker.pick(key, RING, candidates, load)
+
+    assert decision is not None
+    assert decision.backend_id in candidate_ids
+    any_fits = any(fits(b, load, candidates, config) for b in candidate_ids)
+    if any_fits:
+        assert fits(decision.backend_id, load, candidates, config)
+        assert decision.branch is not Branch.FALLBACK
+    else:
+        assert decision.branch is Branch.FALLBACK
+        assert load.load(decision.backend_id) == min(load.load(b) for b in candidate_ids)
+
+
+@settings(max_examples=100)
+@given(st.integers(0, 2**64 - 1), st.sets(st.sampled_from(IDS), min_size=1))
+def test_affinity_is_the_first_usable_backend_of_the_walk(ring_hash: int, candidate_ids: set[str]) -> None:
+    picker = Picker(BalanceConfig(), random.Random(0))
+    decision = picker.pick(bare_key(ring_hash), RING, Candidates.of(candidate_ids), LoadTracker())
+    assert decision is not None
+    assert decision.branch is Branch.AFFINITY
+    assert decision.backend_id == next(b for b in RING.walk(ring_hash) if b in candidate_ids)
+
+
+def test_overflow_when_the_first_is_full() -> None:
+    config = BalanceConfig(max_inflight=2)
+    walk = list(RING.walk(12345))
+    load = tracker_with({walk[0]: 2})
+    decision = Picker(config).pick(bare_key(12345), RING, ALL, load)
+    assert decision is not None
+    assert (decision.backend_id, decision.branch) == (walk[1], Branch.OVERFLOW)
+    load = tracker_with({walk[0]: 2, walk[1]: 2})
+    decision = Picker(config).pick(bare_key(12345), RING, ALL, load)
+    assert decision is not None
+    assert (decision.backend_id, decision.branch) == (walk[2], Branch.OVERFLOW)
+
+
+def test_overflow_under_the_relative_bound() -> None:
+    # 8 backends, 7 in flight all on the first: ceil(1.25 * 8 / 8) = 2, so 7 + 1 > 2.
+    walk = list(RING.walk(999))
+    load = tracker_with({walk[0]: 7})
+    decision = Picker(BalanceConfig()).pick(bare_key(999), RING, ALL, load)
+    assert decision is not None
+    assert (decision.backend_id, decision.branch) == (walk[1], Branch.OVERFLOW)
+
+
+def test_fallback_when_all_full_goes_to_least_loaded() -> None:
+    config = BalanceConfig(max_inflight=1)
+    loads = {b: 1 for b in IDS}
+    loads[IDS[3]] = 3
+    load = tracker_with(loads)
+    decision = Picker(config).pick(bare_key(7), RING, ALL, load)
+    assert decision is not None
+    assert decision.branch is Branch.FALLBACK
+    assert decision.backend_id == next(b for b in RING.walk(7) if b != IDS[3])  # ties: walk order
+
+
+def test_spill_off_keeps_the_ring_choice() -> None:
+    config = BalanceConfig(max_inflight=1, spill=False)
+    walk = list(RING.walk(5))
+    decision = Picker(config).pick(bare_key(5), RING, ALL, tracker_with({walk[0]: 50}))
+    assert decision is not None
+    assert (decision.backend_id, decision.branch) == (walk[0], Branch.AFFINITY)
+
+
+def test_prefix_index_follows_a_conversation() -> None:
+    picker = Picker(BalanceConfig())
+    load = LoadTracker()
+    turn1 = chat_key("How do I bake bread?")
+    first = picker.pick(turn1, RING, ALL, load)
+    assert first is not None
+    assert first.branch is Branch.AFFINITY
+    picker.placed(turn1, first.backend_id)
+
+    # Find a next turn whose own ring position is elsewhere: only the index can bring it back.
+    for i in range(100):
+        turn2 = chat_key("How do I bake bread?", "Knead it.", f"For how long? ({i})")
+        if RING.primary(turn2.ring_hash) != first.backend_id:
+            break
+    else:
+        pytest.fail("no turn with another ring position")
+    assert turn2.blocks[: len(turn1.blocks)] == turn1.blocks
+
+    second = picker.pick(turn2, RING, ALL, load)
+    assert second is not None
+    assert (second.backend_id, second.branch) == (first.backend_id, Branch.PREFIX_MATCH)
+
+    # Without the index, the ring decides.
+    plain = Picker(BalanceConfig(prefix_index=False)).pick(turn2, RING, ALL, load)
+    assert plain is not None
+    assert plain.branch is Branch.AFFINITY
+    assert plain.backend_id == RING.primary(turn2.ring_hash)
+
+
+def test_prefix_match_skips_full_or_absent_owners() -> None:
+    config = BalanceConfig(max_inflight=2)
+    picker = Picker(config)
+    key = bare_key(42, blocks=(10, 11, 12))
+    walk = list(RING.walk(42))
+    owner_a, owner_b = walk[-1], walk[-2]
+    picker.placed(key, owner_a)
+    picker.placed(key, owner_b)
+    load = tracker_with({owner_a: 2})  # full
+    decision = picker.pick(key, RING, ALL, load)
+    assert decision is not None
+    assert (decision.backend_id, decision.branch) == (owner_b, Branch.PREFIX_MATCH)
+    load = tracker_with({owner_a: 2, owner_b: 2})
+    decision = picker.pick(key, RING, ALL, load)
+    assert decision is not None
+    assert (decision.backend_id, decision.branch) == (walk[0], Branch.AFFINITY)
+    decision = picker.pick(key, RING, ALL.without([owner_a, owner_b]), LoadTracker())
+    assert decision is not None
+    assert (decision.backend_id, decision.branch) == (walk[0], Branch.AFFINITY)
+    picker.forget(owner_a)
+    picker.forget(owner_b)
+    decision = picker.pick(key, RING, ALL, LoadTracker())
+    assert decision is not None
+    assert decision.branch is Branch.AFFINITY
+
+
+def test_prefix_match_prefers_least_loaded_owner() -> None:
+    picker = Picker(BalanceConfig())
+    key = bare_key(1, blocks=(1, 2))
+    picker.placed(key, IDS[0])
+    picker.placed(key, IDS[1])
+    decision = picker.pick(key, RING, ALL, tracker_with({IDS[0]: 1}))
+    assert decision is not None
+    assert (decision.backend_id, decision.branch) == (IDS[1], Branch.PREFIX_MATCH)
+
+
+def test_random_policy() -> None:
+    picker = Picker(BalanceConfig(policy=Policy.RANDOM), random.Random(1))
+    candidates = Candidates.of(IDS[:5])
+    chosen = Counter()
+    for i in range(500):
+        decision = picker.pick(bare_key(i), RING, candidates, LoadTracker())
+        assert decision is not None
+        assert decision.branch is Branch.BALANCED
+        chosen[decision.backend_id] += 1
+    assert set(chosen) == set(IDS[:5])
+    assert max(chosen.values()) < 2 * min(chosen.values())
+
+
+def test_round_robin_cycles_through_all() -> None:
+    picker = Picker(BalanceConfig(policy=Policy.ROUND_ROBIN))
+    candidates = Candidates.of(IDS[:5])
+    picks = []
+    for _ in range(15):
+        decision = picker.pick(bare_key(0), RING, candidates, LoadTracker())  # same key every time
+        assert decision is not None
+        assert decision.branch is Branch.BALANCED
+        picks.append(decision.backend_id)
+    assert sorted(picks[:5]) == sorted(IDS[:5])
+    assert picks[:5] == picks[5:10] == picks[10:15]
+
+
+@settings(max_examples=100)
+@given(st.lists(st.integers(0, 5), min_size=8, max_size=8), st.integers(0, 2**64 - 1))
+def test_least_loaded_picks_the_minimum(loads: list[int], ring_hash: int) -> None:
+    load = tracker_with(dict(zip(IDS, loads, strict=True)))
+    picker = Picker(BalanceConfig(policy=Policy.LEAST_LOADED))
+    decision = picker.pick(bare_key(ring_hash), RING, ALL, load)
+    assert decision is not None
+    assert decision.branch is Branch.BALANCED
+    assert load.load(decision.backend_id) == min(loads)
+    # Ties go to the earliest of the key's walk, so they are sticky.
+    assert decision.backend_id == next(b for b in RING.walk(ring_hash) if load.load(b) == min(loads))
+
+
+@pytest.mark.parametrize("policy", [pytest.param(p, id=p.value) for p in Policy])
+@settings(max_examples=30)
+@given(exclude=st.sets(st.sampled_from(IDS)), ring_hash=st.integers(0, 2**64 - 1))
+def test_exclude_respected(policy: Policy, exclude: set[str], ring_hash: int) -> None:
+    picker = Picker(BalanceConfig(policy=policy), random.Random(0))
+    decision = picker.pick(bare_key(ring_hash, (1, 2)), RING, ALL, LoadTracker(), exclude=exclude)
+    if exclude == set(IDS):
+        assert decision is None
+    else:
+        assert decision is not None
+        assert decision.backend_id not in exclude
+
+
+@pytest.mark.parametrize("policy", [pytest.param(p, id=p.value) for p in Policy])
+def test_none_when_no_candidate(policy: Policy) -> None:
+    picker = Picker(BalanceConfig(policy=policy))
+    assert picker.pick(bare_key(1), RING, Candidates.of([]), LoadTracker()) is None
+    assert picker.pick(bare_key(1), HashRing([], 10), Candidates.of([]), LoadTracker()) is None
+
+
+def test_exclude_prefix_owner() -> None:
+    picker = Picker(BalanceConfig())
+    key = bare_key(3, blocks=(7,))
+    owner = list(RING.walk(3))[-1]
+    picker.placed(key, owner)
+    decision = picker.pick(key, RING, ALL, LoadTracker(), exclude=[owner])
+    assert decision is not None
+    assert decision.backend_id != owner
+    assert decision.branch is Branch.AFFINITY
+
+
+def test_candidates_value() -> None:
+    c = Candidates.of(["b", "a", "b"])
+    assert c.ids == ("a", "b")
+    assert c.members == frozenset({"a", "b"})
+    assert c.without(["a"]).ids == ("b",)
