@@ -99,14 +99,15 @@ async def test_terminating_pod_drains_in_the_backend_set(k8s_api: FakeEndpointSl
 
         shutting_down = endpoint("192.0.2.2", terminating=True)
         k8s_api.upsert(endpoint_slice("vllm-a", [endpoint("192.0.2.1"), shutting_down]))
-        await wait_until(lambda: backend_set.ring.members == ("http://192.0.2.1:8000",))
+        await wait_until(lambda: leaving not in backend_set.candidates.members)
         draining = backend_set.get(leaving)
         assert draining is not None and draining.state is HealthState.DRAINING
-        assert leaving not in backend_set.candidates.members
+        assert leaving in backend_set.ring.members, "on the ring, skipped, until its last request ends"
 
         lease.release()
         backend_set.lease_ended(leaving)
         assert backend_set.get(leaving) is None, "gone once its last request ended"
+        assert backend_set.ring.members == ("http://192.0.2.1:8000",)
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

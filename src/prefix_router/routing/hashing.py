@@ -1,7 +1,8 @@
 """THE hash every router replica must agree on.
 
 xxh3_64 with a fixed seed. Changing anything here moves every key in every deployment at once, so
-the golden vectors in tests/routing/test_hashing.py pin it: a change must be a visible, reviewed break.
+the golden vectors in tests/routing/test_routing_hashing.py pin it: a change must be a visible,
+reviewed break.
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ from prefix_router.routing.hashing import chain_hash, hash_bytes, hash_parts
 
 OPENAI_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings"})
 
-# Separators that cannot occur in JSON-decoded text without being escaped by us: role and part markers.
+# Role and part markers. A client can write them itself (as \u001e…), which can only make its own
+# requests share a placement; the tenant and model seed the hash before any of this text.
 _MSG = "\x1e"
 _FIELD = "\x1f"
 _DIGEST = "\x1d"
@@ -64,7 +65,10 @@ def extract_key(path: str, body: bytes, tenant: str | None, config: KeyConfig) -
 
     use_openai = config.mode is KeyMode.OPENAI or (config.mode is KeyMode.AUTO and path in OPENAI_PATHS)
     if use_openai and isinstance(doc, dict):
-        text = openai_text(path, doc)
+        try:
+            text = openai_text(path, doc)
+        except NotCanonicalisable:
+            text = ""  # a part too deep to encode: the request still routes, by its raw bytes below
         if text:
             material = text[: config.prefix_chars].encode("utf-8", "surrogatepass")
             full = text.encode("utf-8", "surrogatepass")[: config.max_key_bytes]
@@ -213,8 +217,8 @@ def _append_prompt(parts: list[str], prompt: Any) -> None:
 def _json_bytes(value: Any) -> bytes:
     try:
         return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
-    except (orjson.JSONEncodeError, TypeError):
-        return repr(value).encode("utf-8", "surrogatepass")
+    except (orjson.JSONEncodeError, TypeError) as exc:  # nested past orjson's encoder limit
+        raise NotCanonicalisable(str(exc)) from exc
 
 
 def _json_text(value: Any) -> str:
