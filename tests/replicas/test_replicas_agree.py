@@ -1,0 +1,154 @@
+"""Several router replicas agree on placement without sharing any state.
+
+Each replica builds its ring from the same member set (whatever order discovery or the config lists
+it in) with the same fixed-seed hash, so a key's first choice is the same everywhere. These tests
+check it twice: on the pickers directly (100k keys, exact agreement) and over HTTP, through three
+real routers in front of the same fake backends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import socket
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from prefix_router.app import RouterApp, create_app
+from prefix_router.routing.keys import RoutingKey, extract_key
+from prefix_router.routing.picker import Branch
+
+import routerkit
+from routerkit import router_settings
+
+CHAT = "/v1/chat/completions"
+BACKEND_HEADER = "x-prefix-router-backend"
+
+
+def _orders(urls: list[str]) -> list[list[str]]:
+    """Three different listings of the same member set: as given, reversed, shuffled."""
+    shuffled = list(urls)
+    random.Random(7).shuffle(shuffled)
+    if shuffled in (urls, urls[::-1]):
+        shuffled = urls[1:] + urls[:1]
+    return [list(urls), urls[::-1], shuffled]
+
+
+def tcp_socket() -> socket.socket:
+    """routerkit.free_socket with the protocol named: asyncio sets TCP_NODELAY on accepted sockets only
+    when the listener's proto is IPPROTO_TCP, and without it every kept-alive request waits ~40 ms for
+    a delayed ACK."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+def _body(i: int, *, model: str = "m") -> bytes:
+    # Distinct from the first byte on, so no two prompts share a prefix-index block.
+    prompt = f"{i:06d} {i * 2654435761 % 2**32:08x} a question about item {i}"
+    return orjson.dumps({"model": model, "messages": [{"role": "user", "content": prompt}]})
+
+
+def _decisions(app: RouterApp, branch: Branch) -> float:
+    value = app.registry.get_sample_value("prefix_router_decisions_total", {"branch": branch.value})
+    return value or 0.0
+
+
+def test_three_pickers_agree_on_100k_keys() -> None:
+    urls = [f"http://10.0.0.{i}:8000" for i in range(1, 7)]
+    apps = [create_app(router_settings(order)) for order in _orders(urls)]
+    assert len({tuple(app.backends.ring.members) for app in apps}) == 1
+    key_config = apps[0].settings.key_config()
+    keys: list[RoutingKey] = [
+        extract_key(CHAT, _body(i, model=f"m{i % 3}"), f"t{i % 5}" if i % 2 else None, key_config)
+        for i in range(100_000)
+    ]
+    disagreements = 0
+    for key in keys:
+        picks = {
+            app.picker.pick(key, app.backends.ring, app.backends.candidates, app.backends.load)
+            for app in apps
+        }
+        if len(picks) != 1:
+            disagreements += 1
+    assert disagreements == 0
+    # The whole walk agrees too (it is what overflow follows), not only its first step.
+    for key in keys[:2000]:
+        walks = {tuple(app.backends.ring.walk(key.ring_hash)) for app in apps}
+        assert len(walks) == 1
+    # And the keys do spread: agreement on a ring that sends everything to one backend proves nothing.
+    first = apps[0]
+    owners = {first.backends.ring.primary(k.ring_hash) for k in keys[:2000]}
+    assert owners == set(urls)
+
+
+def test_pickers_agree_after_learning_their_own_placements() -> None:
+    """Each prefix index learns only from its replica's placements; when the placements agree (the
+    ring decided them), the indexes do too, so follow-up turns of a conversation also agree."""
+    urls = [f"http://10.0.1.{i}:8000" for i in range(1, 5)]
+    apps = [create_app(router_settings(order)) for order in _orders(urls)]
+    key_config = apps[0].settings.key_config()
+    system = "You are a careful assistant. " * 40  # longer than a few index blocks
+    disagreements = 0
+    for conv in range(500):
+        messages: list[dict[str, str]] = [{"role": "system", "content": f"{conv} {system}"}]
+        for turn in range(3):
+            messages.append({"role": "user", "content": f"turn {turn} of conversation {conv}"})
+            key = extract_key(CHAT, orjson.dumps({"model": "m", "messages": messages}), None, key_config)
+            picks = set()
+            for app in apps:
+                decision = app.picker.pick(key, app.backends.ring, app.backends.candidates, app.backends.load)
+                assert decision is not None
+                picks.add(decision.backend_id)
+                app.picker.placed(key, decision.backend_id)
+            disagreements += len(picks) != 1
+            messages.append({"role": "assistant", "content": f"answer {turn} " * 30})
+    assert disagreements == 0
+
+
+async def test_three_routers_send_the_same_keys_to_the_same_backends(
+    fake_backends: Any, router: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(routerkit, "free_socket", tcp_socket)
+    backends = await fake_backends(4)
+    urls = [b.url for b in backends]
+    # The bounded-load c and max_inflight are set out of reach, so no request can overflow: what is
+    # compared is the ring's choice alone (and the overflow counters below prove the premise).
+    balancing = {"load_factor": 100.0, "max_inflight": 1000}
+    routers = [await router(router_settings(order, balancing=balancing)) for order in _orders(urls)]
+    n_keys = 2000
+    chosen: list[list[str | None]] = [[None] * n_keys for _ in routers]
+
+    async def drive(index: int, lane: int, lanes: int, session: aiohttp.ClientSession) -> None:
+        base = routers[index].url
+        for i in range(lane, n_keys, lanes):
+            async with session.post(
+                base + CHAT, data=_body(i), headers={"content-type": "application/json"}
+            ) as resp:
+                assert resp.status == 200
+                await resp.read()
+                chosen[index][i] = resp.headers.get(BACKEND_HEADER)
+
+    lanes = 4  # per replica
+    connector = aiohttp.TCPConnector(limit=lanes * len(routers))
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as s:
+        await asyncio.gather(*(drive(i, n, lanes, s) for i in range(len(routers)) for n in range(lanes)))
+
+    for r in routers:
+        assert _decisions(r.app, Branch.OVERFLOW) == 0
+        assert _decisions(r.app, Branch.FALLBACK) == 0
+    assert all(name in urls for column in chosen for name in column)
+    agree = sum(1 for i in range(n_keys) if len({col[i] for col in chosen}) == 1)
+    assert agree / n_keys >= 0.999, f"only {agree} of {n_keys} keys went to the same backend everywhere"
+    # Pairwise as well, so a failure names which replicas drifted apart.
+    for (a, ca), (b, cb) in itertools.combinations(enumerate(chosen), 2):
+        same = sum(x == y for x, y in zip(ca, cb, strict=True))
+        assert same / n_keys >= 0.999, f"replicas {a} and {b} agree on {same} of {n_keys}"
+    # Every backend took a share: the agreement is over a spread, not one busy backend.
+    per_backend = {u: chosen[0].count(u) for u in urls}
+    assert min(per_backend.values()) > n_keys / len(urls) / 3, per_backend
