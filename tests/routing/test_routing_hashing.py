@@ -160,7 +160,8 @@ def test_extract_key_ring_hash_golden(
 def test_extract_key_blocks_golden() -> None:
     key = extract_key("/v1/chat/completions", LONG_CHAT_BODY, None, KeyConfig())
     assert key.ring_hash == 0xA09DE42E7B48399C
-    assert key.blocks == (0xD53D041B8B31EFDC, 0xA00B3E5CB0535CEB)
+    # Block hashes are the running xxh3 of (tenant, model) + the key text, read at each block end.
+    assert key.blocks == (0x55BAC5D378163886, 0xFE5D4E42A259D1D6)
 
 
 # -- ring placement built on the hash --------------------------------------------------------------

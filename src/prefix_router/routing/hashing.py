@@ -7,6 +7,8 @@ reviewed break.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import xxhash
 
 HASH_SEED = 0x5052_4546_4958  # "PREFIX"; fixed forever: replicas of every version must agree
@@ -18,13 +20,41 @@ def hash_bytes(data: bytes) -> int:
     return xxhash.xxh3_64_intdigest(data, HASH_SEED)
 
 
-def hash_parts(*parts: bytes) -> int:
-    """Hash a sequence of byte strings unambiguously: each part is length-prefixed (8 bytes, LE)."""
+def encode_parts(*parts: bytes) -> bytes:
+    """Byte strings joined unambiguously: each part length-prefixed (8 bytes, little-endian)."""
     buf = bytearray()
     for part in parts:
         buf += len(part).to_bytes(8, "little")
         buf += part
-    return xxhash.xxh3_64_intdigest(bytes(buf), HASH_SEED)
+    return bytes(buf)
+
+
+def hash_parts(*parts: bytes) -> int:
+    """Hash of a sequence of byte strings, unambiguously encoded."""
+    return xxhash.xxh3_64_intdigest(encode_parts(*parts), HASH_SEED)
+
+
+def prefix_hashes(root: bytes, data: bytes, ends: Sequence[int]) -> list[int]:
+    """hash(root + data[:end]) for each end within data, in one streaming pass.
+
+    A hash of the whole prefix is a chain by construction (equal hashes imply equal prefixes), and
+    the running state costs one update per block with no copies: 32 blocks of a 32 KB body in a few µs.
+    """
+    state = xxhash.xxh3_64(seed=HASH_SEED)
+    update, digest = state.update, state.intdigest
+    update(root)
+    view = memoryview(data)
+    out: list[int] = []
+    append = out.append
+    start = 0
+    size = len(data)
+    for end in ends:
+        if end > size:
+            break
+        update(view[start:end])
+        append(digest())
+        start = end
+    return out
 
 
 def chain_hash(parent: int, block: bytes) -> int:
