@@ -145,6 +145,7 @@ class BalancingSettings(_Section):
     policy: Policy = Policy.PREFIX
     max_inflight: int = Field(32, ge=1)  # per backend; ~vLLM's running batch under prefix-heavy load
     load_factor: float = Field(1.25, ge=1.0)  # bounded-load c: no backend above ceil(c * mean)
+    load_floor: int = Field(8, ge=0)  # ...unless it holds fewer than this: small counts never spill
     spill: bool = True  # off: the ring's choice wins regardless of load (a benchmark baseline)
     queue_max: int = Field(64, ge=0)  # requests that may wait for a free backend when all are full
     queue_timeout_s: float = Field(0.5, ge=0)  # how long one may wait before a 503 + Retry-After
@@ -230,6 +231,7 @@ class Settings(BaseSettings):
             policy=b.policy,
             max_inflight=b.max_inflight,
             load_factor=b.load_factor,
+            load_floor=b.load_floor,
             spill=b.spill,
             prefix_index=self.routing.prefix_index,
             prefix_index_entries=self.routing.prefix_index_entries,

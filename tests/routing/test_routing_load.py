@@ -49,6 +49,27 @@ def test_load_ok_worked_arithmetic(
     assert load_ok(load, total, n, c, max_inflight) is expected
 
 
+@pytest.mark.parametrize(
+    ("load", "total", "floor", "max_inflight", "expected"),
+    [
+        # 4 backends, c=1.25, 8 in flight: ceil(1.25 * 9 / 4) = 3, but the floor of 8 lifts the bound
+        pytest.param(3, 8, 8, BIG, True, id="floor-lifts-a-small-bound"),
+        pytest.param(7, 8, 8, BIG, True, id="floor-edge"),
+        pytest.param(8, 8, 8, BIG, False, id="floor-reached"),
+        # at 100 in flight the relative bound, ceil(1.25 * 101 / 4) = 32, is above the floor and rules
+        pytest.param(31, 100, 8, BIG, True, id="relative-bound-above-floor"),
+        pytest.param(32, 100, 8, BIG, False, id="relative-bound-binds"),
+        # max_inflight still binds below the floor
+        pytest.param(3, 8, 8, 4, True, id="max-inflight-below-floor-edge"),
+        pytest.param(4, 8, 8, 4, False, id="max-inflight-below-floor"),
+    ],
+)
+def test_load_floor_worked_arithmetic(
+    load: float, total: float, floor: int, max_inflight: int, expected: bool
+) -> None:
+    assert load_ok(load, total, 4, 1.25, max_inflight, floor) is expected
+
+
 def test_load_ok_is_not_fooled_by_float_rounding() -> None:
     # Regression: 1.1 * 100 / 2 == 55.00000000000001 in floats; a plain ceil made the bound 56.
     # ceil(1.1 * (99 + 1) / 2) = ceil(55) = 55, so a backend already at 55 must not take one more.

@@ -45,7 +45,9 @@ def chat_key(*contents: str) -> RoutingKey:
 
 def fits(backend: str, load: LoadTracker, candidates: Candidates, config: BalanceConfig) -> bool:
     n = len(candidates.ids)
-    return load_ok(load.load(backend), load.total_load(), n, config.load_factor, config.max_inflight)
+    return load_ok(
+        load.load(backend), load.total_load(), n, config.load_factor, config.max_inflight, config.load_floor
+    )
 
 
 @settings(max_examples=300)
@@ -114,12 +116,24 @@ def test_overflow_when_the_first_is_full() -> None:
 
 
 def test_overflow_under_the_relative_bound() -> None:
-    # 8 backends, 7 in flight all on the first: ceil(1.25 * 8 / 8) = 2, so 7 + 1 > 2.
+    # 8 backends, 7 in flight all on the first, no floor: ceil(1.25 * 8 / 8) = 2, so 7 + 1 > 2.
+    walk = list(RING.walk(999))
+    load = tracker_with({walk[0]: 7})
+    decision = Picker(BalanceConfig(load_floor=0)).pick(bare_key(999), RING, ALL, load)
+    assert decision is not None
+    assert (decision.backend_id, decision.branch) == (walk[1], Branch.OVERFLOW)
+
+
+def test_the_load_floor_keeps_a_few_requests_on_their_prefix() -> None:
+    # The same 7 in flight with the default floor of 8: 7 + 1 <= 8, so the ring's first choice stays.
     walk = list(RING.walk(999))
     load = tracker_with({walk[0]: 7})
     decision = Picker(BalanceConfig()).pick(bare_key(999), RING, ALL, load)
     assert decision is not None
-    assert (decision.backend_id, decision.branch) == (walk[1], Branch.OVERFLOW)
+    assert (decision.backend_id, decision.branch) == (walk[0], Branch.AFFINITY)
+    load = tracker_with({walk[0]: 8})
+    decision = Picker(BalanceConfig()).pick(bare_key(999), RING, ALL, load)
+    assert decision is not None and decision.branch is Branch.OVERFLOW
 
 
 def test_fallback_when_all_full_goes_to_least_loaded() -> None:
@@ -196,12 +210,16 @@ def test_prefix_match_skips_full_or_absent_owners() -> None:
     assert decision.branch is Branch.AFFINITY
 
 
-def test_prefix_match_prefers_least_loaded_owner() -> None:
-    picker = Picker(BalanceConfig())
+def test_prefix_match_prefers_the_first_holder_within_the_bound() -> None:
+    picker = Picker(BalanceConfig(max_inflight=4))
     key = bare_key(1, blocks=(1, 2))
     picker.placed(key, IDS[0])
     picker.placed(key, IDS[1])
     decision = picker.pick(key, RING, ALL, tracker_with({IDS[0]: 1}))
+    assert decision is not None
+    assert (decision.backend_id, decision.branch) == (IDS[0], Branch.PREFIX_MATCH)
+    # At its bound, the next holder (also warm) takes it before any cold backend of the walk.
+    decision = picker.pick(key, RING, ALL, tracker_with({IDS[0]: 4}))
     assert decision is not None
     assert (decision.backend_id, decision.branch) == (IDS[1], Branch.PREFIX_MATCH)
 

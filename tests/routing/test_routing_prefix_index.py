@@ -72,18 +72,19 @@ def test_hot_prefix_records_up_to_max_owners() -> None:
     backends = [f"b{i}" for i in range(MAX_OWNERS + 2)]
     for b in backends:
         index.record(A, b)
-    assert index.longest_match(A) == (4, tuple(backends[-MAX_OWNERS:]))
+    # The first holder stays first; the last place goes to the newest one.
+    assert index.longest_match(A) == (4, (*backends[: MAX_OWNERS - 1], backends[-1]))
     assert MAX_OWNERS == 4
 
 
-def test_rerecording_an_owner_makes_it_most_recent_without_duplicating() -> None:
+def test_rerecording_an_owner_keeps_the_order_without_duplicating() -> None:
     index = PrefixIndex(100)
     for b in ("b1", "b2", "b3"):
         index.record(A, b)
     index.record(A, "b1")
-    assert index.longest_match(A) == (4, ("b2", "b3", "b1"))
-    index.record(A, "b1")
-    assert index.longest_match(A) == (4, ("b2", "b3", "b1"))
+    assert index.longest_match(A) == (4, ("b1", "b2", "b3"))
+    index.record(A, "b3")
+    assert index.longest_match(A) == (4, ("b1", "b2", "b3"))
 
 
 def test_eviction_trims_from_the_tail() -> None:

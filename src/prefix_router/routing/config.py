@@ -34,6 +34,7 @@ class BalanceConfig:
     policy: Policy = Policy.PREFIX
     max_inflight: int = 32
     load_factor: float = 1.25
+    load_floor: int = 8  # the relative bound never falls below this many in flight
     spill: bool = True  # off: the ring's choice always wins while healthy (a benchmark baseline)
     prefix_index: bool = True
     prefix_index_entries: int = 200_000

@@ -3,7 +3,9 @@
 Consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam, 2016): with m requests in
 flight over n backends and a load factor c, no backend may hold more than ceil(c * (m + 1) / n) once
 the new request is placed. The `+ 1` is that new request. An absolute `max_inflight` bounds each
-backend too, because a GPU's batch has a size whatever the mean is.
+backend too, because a GPU's batch has a size whatever the mean is. The relative bound never falls
+below `floor`: at a handful of requests in flight, spilling a prefix to a cold cache costs a full
+prefill to save nothing, since the engine batches them all anyway.
 """
 
 from __future__ import annotations
@@ -11,14 +13,16 @@ from __future__ import annotations
 import math
 
 
-def load_ok(load: float, total: float, n_backends: int, load_factor: float, max_inflight: int) -> bool:
+def load_ok(
+    load: float, total: float, n_backends: int, load_factor: float, max_inflight: int, floor: int = 0
+) -> bool:
     """May a backend carrying `load` take one more request, with `total` in flight over the fleet?"""
     if n_backends <= 0:
         return False
     if load + 1 > max_inflight:
         return False
     # The epsilon keeps float rounding from lifting the ceiling: 1.1 * 100 / 2 is 55.000000000000007.
-    return load + 1 <= math.ceil(load_factor * (total + 1) / n_backends - 1e-9)
+    return load + 1 <= max(math.ceil(load_factor * (total + 1) / n_backends - 1e-9), floor)
 
 
 class Lease:
@@ -77,9 +81,11 @@ class LoadTracker:
     def total_inflight(self) -> int:
         return self._total
 
-    def set_external(self, backend_id: str, scraped: float) -> None:
+    def set_external(self, backend_id: str, scraped: float, local_then: int | None = None) -> None:
+        """Record a backend's own load figure; `local_then` is this replica's count when it was asked."""
         self.clear_external(backend_id)
-        local_then = self.inflight(backend_id)
+        if local_then is None:
+            local_then = self.inflight(backend_id)
         self._external[backend_id] = (scraped, local_then)
         self._external_extra += max(0.0, scraped - local_then)
 

@@ -1,7 +1,7 @@
 """Choose a backend for a key: the prefix index, then the ring walk, within the load bound.
 
 Order of preference for our policy:
-1. the owners the prefix index knows for the longest known prefix (`prefix_match`), least loaded first;
+1. the owners the prefix index knows for the longest known prefix (`prefix_match`), first holder first;
 2. the ring walk from the key's hash: its first backend is `affinity`, any later one `overflow`;
 3. nothing within the bound: the least loaded candidate (`fallback`).
 Baseline policies (random, round robin, least loaded) exist so operators and benchmarks can compare.
@@ -98,13 +98,17 @@ class Picker:
         total = load.total_load()
 
         def fits(backend: str) -> bool:
-            return not cfg.spill or load_ok(load.load(backend), total, n, cfg.load_factor, cfg.max_inflight)
+            return not cfg.spill or load_ok(
+                load.load(backend), total, n, cfg.load_factor, cfg.max_inflight, cfg.load_floor
+            )
 
         if self._index is not None and key.blocks:
+            # Owners in the order they took the prefix: the first holder keeps it while it is within
+            # the bound, so one spill does not rotate a group over the fleet (each cache would then
+            # have to hold every group).
             _, owners = self._index.longest_match(key.blocks)
-            live = sorted((o for o in owners if o in usable_set), key=load.load)
-            for owner in live:
-                if fits(owner):
+            for owner in owners:
+                if owner in usable_set and fits(owner):
                     return Decision(owner, Branch.PREFIX_MATCH)
         first = True
         for backend in ring.walk(key.ring_hash):

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-MAX_OWNERS = 4  # backends remembered per block; a hot prefix spills over to a few, not to all
+MAX_OWNERS = 4  # backends remembered per block, in the order they took it; the first is kept
 
 
 class PrefixIndex:
@@ -58,12 +58,10 @@ class PrefixIndex:
             if owners is None:
                 entries[block] = (backend_id,)
             else:
-                if backend_id in owners:
-                    if owners[-1] != backend_id:
-                        owners = (*tuple(o for o in owners if o != backend_id), backend_id)
-                else:
-                    owners = (*owners[-(MAX_OWNERS - 1) :], backend_id)
-                entries[block] = owners
+                if backend_id not in owners:
+                    # The first holder stays first; later ones fill the remaining places, newest last.
+                    owners = (*owners, backend_id) if len(owners) < MAX_OWNERS else (*owners[:-1], backend_id)
+                    entries[block] = owners
                 entries.move_to_end(block)
         while len(entries) > self._max_entries:
             entries.popitem(last=False)
