@@ -155,7 +155,9 @@ class RouterApp:
         if discovery is not None:
             self._spawn(discovery.run(self.backends.replace_members), "discovery")
         if self.settings.load_signal.enabled:
-            scraper = LoadSignalScraper(self.settings.load_signal, self.backends, self.upstream)
+            scraper = LoadSignalScraper(
+                self.settings.load_signal, self.backends, self.upstream, self.proxy.capacity_changed
+            )
             self._spawn(scraper.run(), "load_signal")
 
     async def stop(self) -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+from collections.abc import Callable
 
 import aiohttp
 
@@ -23,27 +25,52 @@ LOAD_METRICS = (b"vllm:num_requests_running", b"vllm:num_requests_waiting")
 
 
 def parse_vllm_load(text: bytes) -> float | None:
-    """running + waiting summed over every series (engines, models); None if neither is present."""
+    """running + waiting summed over every series (engines, models); None if neither is present.
+
+    A sample line is `name[{labels}] value [timestamp]`; label values may hold spaces, so the value is
+    the first token after the closing brace. Non-finite values are skipped: a NaN would fail the bound
+    for every backend.
+    """
     total = 0.0
     found = False
     for line in text.splitlines():
-        if not line.startswith(LOAD_METRICS[0][:5]):
+        if not line.startswith(b"vllm:num_requests_"):
             continue
         for name in LOAD_METRICS:
-            if line.startswith(name) and line[len(name) : len(name) + 1] in (b"{", b" "):
-                try:
-                    total += float(line.rsplit(b" ", 1)[1])
-                    found = True
-                except (IndexError, ValueError):
-                    pass
+            if not line.startswith(name):
+                continue
+            rest = line[len(name) :]
+            if rest[:1] == b"{":
+                close = rest.rfind(b"}")
+                if close < 0:
+                    break
+                rest = rest[close + 1 :]
+            elif rest[:1] not in (b" ", b"\t"):
+                break
+            fields = rest.split()
+            try:
+                value = float(fields[0])
+            except (IndexError, ValueError):
+                break
+            if math.isfinite(value):
+                total += value
+                found = True
+            break
     return total if found else None
 
 
 class LoadSignalScraper:
-    def __init__(self, settings: LoadSignalSettings, backends: BackendSet, upstream: Upstream) -> None:
+    def __init__(
+        self,
+        settings: LoadSignalSettings,
+        backends: BackendSet,
+        upstream: Upstream,
+        on_scraped: Callable[[], None] | None = None,
+    ) -> None:
         self._settings = settings
         self._backends = backends
         self._upstream = upstream
+        self._on_scraped = on_scraped  # lower figures may free capacity that waiting requests want
 
     async def run(self) -> None:
         while True:
@@ -53,8 +80,12 @@ class LoadSignalScraper:
     async def scrape_all(self) -> None:
         urls = [b.url for b in self._backends.backends() if not b.removed]
         await asyncio.gather(*(self._scrape(url) for url in urls))
+        if self._on_scraped is not None:
+            self._on_scraped()
 
     async def _scrape(self, url: str) -> None:
+        # This replica's count as the request leaves: what the backend's figure can include of ours.
+        local_then = self._backends.load.inflight(url)
         load = None
         try:
             async with asyncio.timeout(self._settings.timeout_s):
@@ -68,4 +99,4 @@ class LoadSignalScraper:
         if load is None:
             self._backends.load.clear_external(url)
         else:
-            self._backends.load.set_external(url, load)
+            self._backends.load.set_external(url, load, local_then)

@@ -86,6 +86,12 @@ class CapacityWaiters:
             with contextlib.suppress(ValueError):  # wake_one() already took it
                 self._waiters.remove(fut)
 
+    def wake_all(self) -> None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+
     def wake_one(self) -> None:
         while self._waiters:
             fut = self._waiters.popleft()
@@ -125,6 +131,10 @@ class Proxy:
     @property
     def active_requests(self) -> int:
         return self._active
+
+    def capacity_changed(self) -> None:
+        """Something other than a local release may have freed capacity: let waiters look again."""
+        self._waiters.wake_all()
 
     # -- the request ---------------------------------------------------------------------------
 

@@ -108,10 +108,6 @@ def test_parse_vllm_load(page: bytes, expected: float | None) -> None:
     assert parse_vllm_load(page) == expected
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the exposition format allows a timestamp after the value; the parser reads the last token",
-)
 def test_parse_vllm_load_with_timestamps() -> None:
     page = (
         b'vllm:num_requests_running{engine="0"} 3 1700000000000\nvllm:num_requests_waiting 1 1700000000000\n'
