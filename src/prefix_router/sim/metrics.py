@@ -87,6 +87,9 @@ class SimMetricsCollector(Collector):
         success.add_metric([*labels, "stop"], 0)
         success.add_metric([*labels, "length"], counters.requests_finished)
         success.add_metric([*labels, "abort"], counters.requests_aborted)
+        # vLLM 0.32 also exports these reasons; the sim never produces them, so they stay at zero.
+        success.add_metric([*labels, "error"], 0)
+        success.add_metric([*labels, "repetition"], 0)
         yield success
 
         ttft = counters.ttft
