@@ -96,6 +96,10 @@ class BackendSet:
     def backends(self) -> list[Backend]:
         return list(self._backends.values())
 
+    def live_urls(self) -> list[str]:
+        """Members still wanted (not leaving): the ones worth probing and scraping."""
+        return [b.url for b in self._backends.values() if not b.removed]
+
     def get(self, url: str) -> Backend | None:
         return self._backends.get(url)
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import aiohttp
-
 from prefix_router.backends import BackendSet
 from prefix_router.settings import HealthSettings
 from prefix_router.upstream import Upstream
@@ -31,20 +29,11 @@ class HealthProber:
             await asyncio.sleep(self._settings.interval_s)
 
     async def probe_all(self) -> None:
-        urls = [b.url for b in self._backends.backends() if not b.removed]
-        await asyncio.gather(*(self._probe(url) for url in urls))
+        await asyncio.gather(*(self._probe(url) for url in self._backends.live_urls()))
 
     async def _probe(self, url: str) -> None:
-        ok = False
-        try:
-            async with asyncio.timeout(self._settings.timeout_s):
-                async with self._upstream.session.get(
-                    url + self._settings.path, allow_redirects=False
-                ) as resp:
-                    await resp.read()
-                    ok = 200 <= resp.status < 300
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            log.debug("probe of %s failed: %s", url, type(exc).__name__)
+        answer = await self._upstream.fetch(url + self._settings.path, self._settings.timeout_s)
+        ok = answer is not None and 200 <= answer[0] < 300
         before = self._backends.get(url)
         was = before.state if before else None
         if ok:

@@ -9,17 +9,12 @@ routing/load.py, LoadTracker). A failed scrape falls back to local counts alone.
 from __future__ import annotations
 
 import asyncio
-import logging
 import math
 from collections.abc import Callable
-
-import aiohttp
 
 from prefix_router.backends import BackendSet
 from prefix_router.settings import LoadSignalSettings
 from prefix_router.upstream import Upstream
-
-log = logging.getLogger("prefix_router.load_signal")
 
 LOAD_METRICS = (b"vllm:num_requests_running", b"vllm:num_requests_waiting")
 
@@ -78,24 +73,15 @@ class LoadSignalScraper:
             await asyncio.sleep(self._settings.interval_s)
 
     async def scrape_all(self) -> None:
-        urls = [b.url for b in self._backends.backends() if not b.removed]
-        await asyncio.gather(*(self._scrape(url) for url in urls))
+        await asyncio.gather(*(self._scrape(url) for url in self._backends.live_urls()))
         if self._on_scraped is not None:
             self._on_scraped()
 
     async def _scrape(self, url: str) -> None:
         # This replica's count as the request leaves: what the backend's figure can include of ours.
         local_then = self._backends.load.inflight(url)
-        load = None
-        try:
-            async with asyncio.timeout(self._settings.timeout_s):
-                async with self._upstream.session.get(
-                    url + self._settings.path, allow_redirects=False
-                ) as resp:
-                    if resp.status == 200:
-                        load = parse_vllm_load(await resp.read())
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            log.debug("load scrape of %s failed: %s", url, type(exc).__name__)
+        answer = await self._upstream.fetch(url + self._settings.path, self._settings.timeout_s)
+        load = parse_vllm_load(answer[1]) if answer is not None and answer[0] == 200 else None
         if load is None:
             self._backends.load.clear_external(url)
         else:

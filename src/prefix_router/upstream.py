@@ -150,6 +150,15 @@ class Upstream:
             return 0
         return sum(len(v) for v in connector._acquired_per_host.values())
 
+    async def fetch(self, url: str, timeout_s: float) -> tuple[int, bytes] | None:
+        """GET a side URL of a backend (health, metrics): (status, body), or None if it failed."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                async with self.session.get(url, allow_redirects=False) as resp:
+                    return resp.status, await resp.read()
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            return None
+
     async def send(
         self,
         method: str,
