@@ -1,0 +1,188 @@
+"""What every benchmark prints and saves: the machine, the versions, the command that reproduces it."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine_info() -> dict[str, Any]:
+    return {
+        "nproc": os.cpu_count(),
+        "cpu_model": cpu_model(),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "implementation": platform.python_implementation(),
+    }
+
+
+def package_version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def tool_version(argv: Sequence[str]) -> str | None:
+    """First line of a tool's version output (stdout or stderr), or None when it is not installed."""
+    try:
+        out = subprocess.run(list(argv), capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    text = (out.stdout or out.stderr).strip()
+    return text.splitlines()[0] if text else None
+
+
+def git_revision() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
+def command_line() -> str:
+    """The exact command that reproduces this run, from the repository root."""
+    script = Path(sys.argv[0])
+    try:
+        shown = str(script.resolve().relative_to(REPO_ROOT))
+    except ValueError:
+        shown = str(script)
+    return shlex.join(["python", shown, *sys.argv[1:]])
+
+
+def print_header(title: str, versions: dict[str, str | None]) -> dict[str, Any]:
+    info = machine_info()
+    print(f"# {title}")
+    print()
+    print(f"- machine: {info['nproc']} CPUs, {info['cpu_model']}, Linux {info['kernel']}")
+    shown = ", ".join(f"{k} {v}" for k, v in versions.items() if v)
+    missing = [k for k, v in versions.items() if not v]
+    print(f"- versions: {shown}" + (f" (not installed: {', '.join(missing)})" if missing else ""))
+    print(f"- git: {git_revision() or 'unknown'}")
+    print(f"- reproduce: `{command_line()}`")
+    print(flush=True)
+    return {"machine": info, "versions": versions, "git": git_revision(), "command": command_line()}
+
+
+def write_results(name: str, payload: dict[str, Any]) -> Path:
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    path = RESULTS_DIR / f"{name}-{stamp}.json"
+    path.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    def cell(v: Any) -> str:
+        return "–" if v is None else str(v)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for_port(port: int, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout_s:g} s")
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (all its threads), from /proc/PID/stat."""
+    raw = Path(f"/proc/{pid}/stat").read_text()
+    fields = raw[raw.rindex(")") + 2 :].split()
+    # After the comm field: state is fields[0]; utime and stime are the 14th and 15th stat fields.
+    ticks = int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def busy_seconds() -> float:
+    """CPU seconds spent busy by the whole machine (all CPUs) since boot, from /proc/stat."""
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_seconds() -> float:
+    """utime + stime of every child process waited for so far (wrk runs, for instance)."""
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+class BackgroundMeter:
+    """How many CPUs' worth of work other processes did while a benchmark in this process ran.
+
+    The machine may be shared; a figure measured while others kept the CPUs busy is suspect, so
+    each script reports this next to its results.
+    """
+
+    def __init__(self) -> None:
+        self.cpus = 0.0
+        self.start()
+
+    def start(self) -> None:
+        t = os.times()
+        self._own0 = t.user + t.system + t.children_user + t.children_system
+        self._busy0 = busy_seconds()
+        self._t0 = time.monotonic()
+
+    def stop(self) -> float:
+        t = os.times()
+        own = t.user + t.system + t.children_user + t.children_system - self._own0
+        elapsed = max(1e-9, time.monotonic() - self._t0)
+        self.cpus = max(0.0, busy_seconds() - self._busy0 - own) / elapsed
+        return self.cpus
+
+    def note(self) -> str:
+        return (
+            f"other processes kept {self.cpus:.2f} of {os.cpu_count()} CPUs busy during the measurements"
+            + (" — the machine was shared; treat absolute figures with care" if self.cpus > 0.2 else "")
+        )
