@@ -4,16 +4,23 @@ Real HTTP end to end: this process runs the simulated fleet and the load driver;
 one per policy variant, or SGLang's cache_aware when `sglang_router` is installed) runs as its own
 subprocess on 127.0.0.1, started fresh for every run so no run inherits another's prefix index.
 Per cell: hit rate (the backends' own counters) against the oracle, TTFT p50/p99, throughput,
-max/mean load, peak in-flight, overflow share, tenant stickiness.
+max/mean load, peak in-flight, overflow share, and for the tenants workload the stickiness of each
+(tenant, prompt) pair (share of its requests on its most-used backend; min and mean over pairs) and
+the pairs' spread (distinct backends holding their placements / fleet).
 
 The simulated fleet (per workload, see `fleet_config`): prefill 0.25 ms per uncached token (the
 llm-d-inference-sim example figure; a cold 2k-token prefix costs ~0.5 s, a warm one ~60 ms), a KV
 cache that fits ~2x a fair share of the workload's prefixes plus the running prompts, and
 max_num_seqs 8, so a backend given more than its share queues and its TTFT shows it.
 
-    python benchmarks/routing_quality.py            # default, ~10 minutes on 2 cores
-    python benchmarks/routing_quality.py --quick    # a few minutes
-    python benchmarks/routing_quality.py --backends http://gpu1:8000 http://gpu2:8000  # real vLLM
+    python benchmarks/routing_quality.py            # default: ~25 minutes on 2 cores (80 runs)
+    python benchmarks/routing_quality.py --quick    # ~12 minutes
+    python benchmarks/routing_quality.py --workloads long_context --policies prefix --closed-only
+    # real vLLM: no oracle; every (policy, mode) run gets its own workload seed so it cannot hit what an
+    # earlier run cached, and --reset-url-path empties the caches too (vLLM needs VLLM_SERVER_DEV_MODE=1);
+    # --prompt-scale 0.25 shrinks every prompt for a small model's context window
+    python benchmarks/routing_quality.py --backends http://gpu1:8000 http://gpu2:8000 --model MODEL \
+        --reset-url-path /reset_prefix_cache --prompt-scale 0.25
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -45,6 +53,7 @@ from prefix_router.sim.config import SimConfig
 from prefix_router.sim.fleet import SimFleet
 from prefix_router.sim.loadgen import RunSummary, Target, client_session, measure
 from prefix_router.sim.workloads import (
+    DEFAULT_MODEL,
     Workload,
     cache_sensitive_config,
     hot_prefix,
@@ -84,23 +93,50 @@ SGLANG = PolicySpec("sglang_cache_aware", {}, sglang=True)
 class WorkloadSpec:
     """A workload, the shape of the fleet it runs on, and how it is driven."""
 
-    workload: Workload
+    make: Callable[[int], Workload]  # seed offset -> the workload (offset 0: the reference run)
     prefix_tokens: int  # the shared prefix of a group (sizes the cache)
     prompt_tokens: int  # a typical whole prompt
     groups: int  # distinct prefixes
     concurrency: int
     rate_per_s: float  # open loop
+    workload: Workload = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "workload", self.make(0))
 
 
-def build_workloads(quick: bool) -> list[WorkloadSpec]:
+def _maker(builder: Callable[..., Workload], seed: int, **kwargs: Any) -> Callable[[int], Workload]:
+    return lambda offset: builder(seed=seed + offset, **kwargs)
+
+
+def build_workloads(quick: bool, prompt_scale: float = 1.0, model: str = DEFAULT_MODEL) -> list[WorkloadSpec]:
+    """The five workloads; `prompt_scale` multiplies every prompt size (prefixes, questions, turns)."""
     k = 1 if quick else 2
     groups = 12 if quick else 16
+    tenant_count = 16 if quick else 32
+
+    def t(tokens: int) -> int:
+        return max(8, round(tokens * prompt_scale))
+
     return [
-        WorkloadSpec(shared_prefix(groups=groups, prompts_per_group=8 * k), 2048, 2200, groups, 16, 30.0),
-        WorkloadSpec(long_context(documents=4 * k, questions_per_document=8 * k), 8000, 8100, 4 * k, 8, 6.0),
-        WorkloadSpec(multi_turn(conversations=24 * k), 1500, 3000, 24 * k, 16, 25.0),
-        WorkloadSpec(hot_prefix(requests=160 * k, cold_groups=12 * k), 1024, 1200, 12 * k + 1, 32, 50.0),
-        WorkloadSpec(tenants(tenant_count=12 * k, requests_per_tenant=8 * k), 1024, 1100, 36 * k, 16, 40.0),
+        WorkloadSpec(_maker(shared_prefix, 0, groups=groups, prompts_per_group=8 * k, system_tokens=t(2048),
+                            question_tokens=t(128), model=model),
+                     t(2048), t(2200), groups, 16, 30.0),
+        WorkloadSpec(_maker(long_context, 1, documents=4 * k, questions_per_document=8 * k,
+                            document_tokens=t(8000), question_tokens=t(64), model=model),
+                     t(8000), t(8100), 4 * k, 8, 6.0),
+        WorkloadSpec(_maker(multi_turn, 2, conversations=24 * k, system_tokens=t(64),
+                            user_median_tokens=t(120), reply_median_tokens=t(200), max_turn_tokens=t(1500),
+                            model=model),
+                     t(1500), t(3000), 24 * k, 16, 25.0),
+        WorkloadSpec(_maker(hot_prefix, 3, requests=160 * k, cold_groups=12 * k, system_tokens=t(1024),
+                            question_tokens=t(128), model=model),
+                     t(1024), t(1200), 12 * k + 1, 32, 50.0),
+        # Many tenants, the same 2 system prompts: each (tenant, prompt) pair is one placement. 30 req/s
+        # open loop: 40 saturated the 4-backend fleet (a queueing test, not a placement one).
+        WorkloadSpec(_maker(tenants, 4, tenant_count=tenant_count, requests_per_tenant=6 * k,
+                            shared_prompts=2, system_tokens=t(1024), question_tokens=t(64), model=model),
+                     t(1024), t(1100), 2 * tenant_count, 16, 30.0),
     ]  # fmt: skip
 
 
@@ -210,20 +246,33 @@ async def run_cell(
     mode: str,
     oracle: float | None,
     workdir: Path,
-    sim: bool,
-    open_duration_s: float,
+    args: argparse.Namespace,
 ) -> Cell:
+    sim = not args.backends
+    # External backends keep their caches between runs: each (policy, mode) run gets its own seed, so
+    # no run hits prefixes an earlier one left (and --reset-url-path, when given, empties them too).
+    offset = 0 if sim else run_seed_offset(policy.name, mode)
+    workload = spec.make(offset) if offset else spec.workload
+    target = Target(base_url="", backend_urls=tuple(urls), sim=sim,
+                    reset_path=None if sim else args.reset_url_path)  # fmt: skip
     async with router_process(session, policy, urls, workdir) as (base, cmd):
         summary, _ = await measure(
             session,
-            Target(base, tuple(urls), sim=sim),
-            spec.workload,
+            dataclasses.replace(target, base_url=base),
+            workload,
             concurrency=spec.concurrency if mode == "closed" else None,
             rate_per_s=spec.rate_per_s if mode == "open" else None,
-            max_duration_s=open_duration_s,
+            max_duration_s=args.open_duration,
             oracle_hit_rate=oracle,
         )
-    return Cell(spec.workload.name, policy.name, mode, summary, shlex.join(cmd))
+    extra = {"workload_seed": workload.params.get("seed"), "workload_params": workload.params}
+    return Cell(workload.name, policy.name, mode, summary, shlex.join(cmd), extra)
+
+
+def run_seed_offset(policy: str, mode: str) -> int:
+    """A workload seed offset per (policy, mode), stable whatever --policies selects."""
+    names = [p.name for p in (*POLICIES, SGLANG)]
+    return 100 * (1 + 2 * names.index(policy) + (mode == "open"))
 
 
 def _pct(v: float | None) -> str:
@@ -237,7 +286,7 @@ def _ms(v: float | None) -> str:
 def markdown_table(cells: list[Cell]) -> str:
     head = (
         "| workload | mode | policy | hit rate | oracle | hit/oracle | TTFT p50 ms | TTFT p99 ms | req/s "
-        "| max/mean load | peak in-flight | overflow | sticky min | spread | errors |"
+        "| max/mean load | peak in-flight | overflow | sticky min | sticky mean | spread | errors |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for c in cells:
@@ -247,7 +296,8 @@ def markdown_table(cells: list[Cell]) -> str:
             f"| {c.workload} | {c.mode} | {c.policy} | {s.hit_rate:.1%} | {_pct(s.oracle_hit_rate)} "
             f"| {_pct(s.oracle_ratio)} | {_ms(s.ttft_p50_s)} | {_ms(s.ttft_p99_s)} | {s.throughput_rps:.1f} "
             f"| {s.max_mean_load:.2f} | {'-' if peak is None else peak} | {_pct(s.overflow_share)} "
-            f"| {_pct(s.tenant_stickiness_min)} | {_pct(s.tenant_spread)} | {s.errors} |"
+            f"| {_pct(s.tenant_stickiness_min)} | {_pct(s.tenant_stickiness_mean)} | {_pct(s.tenant_spread)} "
+            f"| {s.errors} |"
         )
     return "\n".join(lines)
 
@@ -333,11 +383,14 @@ def check_targets(cells: list[Cell]) -> list[str]:
         verdict(r >= 0.80, f"hot_prefix: hit rate {r:.0%} of oracle (target >= 80%)")
     ours = get("tenants", "prefix")
     if ours is not None and ours.tenant_stickiness_min is not None:
-        text = f"tenants: least sticky tenant {ours.tenant_stickiness_min:.0%} on its top backend"
+        text = (
+            f"tenants: least sticky (tenant, prompt) pair {ours.tenant_stickiness_min:.0%} on its top "
+            f"backend, mean {ours.tenant_stickiness_mean or 0:.0%} over {ours.tenant_pairs} pairs"
+        )
         verdict(ours.tenant_stickiness_min >= 0.99, text)
         verdict((ours.tenant_spread or 0) >= 0.99 and ours.max_mean_load <= 1.5,
-                f"tenants: top backends cover {ours.tenant_spread:.0%} of the fleet, max/mean load "
-                f"{ours.max_mean_load:.2f}")  # fmt: skip
+                f"tenants: the pairs' top backends cover {ours.tenant_spread:.0%} of the fleet, max/mean "
+                f"load {ours.max_mean_load:.2f}")  # fmt: skip
     return out
 
 
@@ -347,7 +400,11 @@ def check_targets(cells: list[Cell]) -> list[str]:
 async def run(args: argparse.Namespace) -> int:
     # SGLang's router probes workers with an HTTP/2 preface first; the sim's aiohttp logs each one.
     logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
-    specs = build_workloads(args.quick)
+    if args.prompt_scale <= 0:
+        raise SystemExit("--prompt-scale must be positive")
+    if args.reset_url_path and not args.backends:
+        raise SystemExit("--reset-url-path applies to --backends (the sim is always reset)")
+    specs = build_workloads(args.quick, args.prompt_scale, args.model)
     if args.workloads:
         specs = [s for s in specs if s.workload.name in args.workloads]
     policies = [p for p in POLICIES if not args.policies or p.name in args.policies]
@@ -422,9 +479,7 @@ async def run_workload(
         for mode in modes:
             for policy in policies:
                 t0 = time.monotonic()
-                cell = await run_cell(
-                    session, policy, spec, urls, mode, oracle, workdir, not args.backends, args.open_duration
-                )
+                cell = await run_cell(session, policy, spec, urls, mode, oracle, workdir, args)
                 s = cell.summary
                 print(f"  {mode:6} {policy.name:20} hit {s.hit_rate:6.1%}  p50 {_ms(s.ttft_p50_s):>5} ms  "
                       f"p99 {_ms(s.ttft_p99_s):>5} ms  {s.throughput_rps:5.1f} req/s  errors {s.errors}  "
@@ -439,10 +494,16 @@ def reproduce_command(args: argparse.Namespace, workload: str, policy: str, mode
     cmd = [sys.executable, "benchmarks/routing_quality.py", "--workloads", workload, "--policies", policy]
     if args.quick:
         cmd.append("--quick")
+    if args.prompt_scale != 1.0:
+        cmd += ["--prompt-scale", str(args.prompt_scale)]
+    if args.model != DEFAULT_MODEL:
+        cmd += ["--model", args.model]
     if mode == "closed":
         cmd.append("--closed-only")
     if args.backends:
         cmd += ["--backends", *args.backends]
+        if args.reset_url_path:
+            cmd += ["--reset-url-path", args.reset_url_path]
     else:
         cmd += ["--fleet", str(args.fleet)]
     return shlex.join(cmd)
@@ -458,6 +519,18 @@ def main() -> int:
         "--backends", nargs="+", metavar="URL",
         help="run against these external OpenAI servers (e.g. vLLM) instead of the sim",
     )  # fmt: skip
+    parser.add_argument(
+        "--reset-url-path", metavar="PATH",
+        help="with --backends: POST this path on every backend before each run, e.g. /reset_prefix_cache "
+        "(vLLM with VLLM_SERVER_DEV_MODE=1); without it, runs rely on their distinct workload seeds",
+    )  # fmt: skip
+    parser.add_argument(
+        "--prompt-scale", type=float, default=1.0,
+        help="multiply every prompt size, e.g. 0.25 for a small model's context (default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--model", default=DEFAULT_MODEL, help="the model name the requests carry (default: %(default)s)"
+    )
     parser.add_argument("--workloads", nargs="+", help="only these workloads")
     parser.add_argument("--policies", nargs="+", help="only these policies")
     parser.add_argument("--closed-only", action="store_true", help="skip the open-loop (Poisson) runs")

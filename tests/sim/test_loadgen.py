@@ -17,6 +17,7 @@ from prefix_router.sim.loadgen import (
     fetch_vllm_counters,
     measure,
     quantile,
+    reset_sim,
     run_open_loop,
     summarise,
 )
@@ -105,4 +106,43 @@ def test_summary_of_loads_overflow_and_tenant_stickiness() -> None:
         5 / 6
     )
     assert s.tenant_spread == 0.5  # both tenants' top backend is "a"
+    assert s.tenant_pairs == 2
     assert s.peak_inflight == {"a": 2, "b": 1}
+
+
+def test_stickiness_is_per_tenant_and_prompt_pair() -> None:
+    # One tenant, two system prompts on two backends: each pair is perfectly sticky, and the pairs
+    # cover both backends. Per tenant it would read 50% (the old measure's false alarm).
+    before = {u: BackendCounters(0, 0, 0, 0) for u in ("a", "b")}
+    after = {"a": BackendCounters(10, 5, 2, 1), "b": BackendCounters(10, 5, 3, 1)}
+    results = [
+        RequestResult(0, "t1/p0", "t1", 200, None, 0.1, 0.2, "a"),
+        RequestResult(1, "t1/p1", "t1", 200, None, 0.1, 0.2, "b"),
+        RequestResult(2, "t1/p0", "t1", 200, None, 0.1, 0.2, "a"),
+        RequestResult(3, "t1/p1", "t1", 200, None, 0.1, 0.2, "b"),
+        RequestResult(4, "t2/p0", "t2", 200, None, 0.1, 0.2, "b"),
+        RequestResult(5, "g", None, 200, None, 0.1, 0.2, "a"),  # no tenant: not counted
+    ]
+    s = summarise(results, before, after, wall_s=1.0)
+    assert s.tenant_pairs == 3
+    assert s.tenant_stickiness_min == 1.0 and s.tenant_stickiness_mean == 1.0
+    assert s.tenant_spread == 1.0
+
+
+async def test_reset_path_empties_external_backends_between_runs(fleet: SimFleet) -> None:
+    # Not the sim protocol (sim=False: vLLM-style /metrics counters), with a reset path: the second
+    # run starts cold as the first did, so it hits no more than the first.
+    url = fleet.urls[0]
+    workload = shared_prefix(
+        groups=2, prompts_per_group=3, system_tokens=128, question_tokens=16, max_tokens=2
+    )
+    async with client_session() as session:
+        await reset_sim(session, [url])
+        cold = Target(url, (url,), sim=False, reset_path="/sim/reset")
+        warm = Target(url, (url,), sim=False)
+        first, _ = await measure(session, cold, workload, concurrency=1)
+        again_warm, _ = await measure(session, warm, workload, concurrency=1)
+        again_cold, _ = await measure(session, cold, workload, concurrency=1)
+    assert first.requests == again_cold.requests == 6
+    assert again_cold.hit_rate == pytest.approx(first.hit_rate)
+    assert again_warm.hit_rate > first.hit_rate  # no reset: it hit what the first run cached

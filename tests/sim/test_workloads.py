@@ -76,16 +76,34 @@ def test_hot_prefix_share_is_about_half() -> None:
 
 
 def test_tenants_send_identical_prompts_under_distinct_keys() -> None:
-    w = tenants(tenant_count=4, requests_per_tenant=3)
-    assert len(w) == 12
+    w = tenants(tenant_count=4, requests_per_tenant=6, shared_prompts=2)
+    assert len(w) == 24
     assert {r.tenant for r in w.requests} == {f"tenant-{t:03d}" for t in range(4)}
     for r in w.requests:
         assert r.headers() == {TENANT_HEADER: r.tenant}
         assert r.body["cache_salt"] == r.tenant
+        assert r.group.startswith(f"{r.tenant}/p")  # a group is one (tenant, system prompt) pair
     prompts = {
-        t: sorted(text_of(r.body) for r in w.requests if r.tenant == t) for t in {"tenant-000", "tenant-001"}
+        t: sorted(text_of(r.body) for r in w.requests if r.tenant == t)
+        for t in {r.tenant for r in w.requests}
     }
-    assert prompts["tenant-000"] == prompts["tenant-001"]
+    assert len({tuple(p) for p in prompts.values()}) == 1  # every tenant sends the same prompts
+    systems = {r.body["messages"][0]["content"] for r in w.requests}
+    assert len(systems) == 2
+    # Each pair: one system prompt, 3 requests; 4 tenants x 2 prompts = 8 pairs.
+    by_group: dict[str, set[str]] = {}
+    for r in w.requests:
+        by_group.setdefault(r.group, set()).add(r.body["messages"][0]["content"])
+    assert len(by_group) == 8 and all(len(v) == 1 for v in by_group.values())
+    assert sum(r.group == "tenant-000/p0" for r in w.requests) == 3
+
+
+def test_tenants_oracle_counts_hits_within_a_tenant_only() -> None:
+    one = tenants(tenant_count=1, requests_per_tenant=6, shared_prompts=2, system_tokens=256)
+    many = tenants(tenant_count=8, requests_per_tenant=6, shared_prompts=2, system_tokens=256)
+    a = oracle_hit_rate(one, block_size=16, capacity_blocks=None).hit_rate
+    b = oracle_hit_rate(many, block_size=16, capacity_blocks=None).hit_rate
+    assert 0.5 < a < 1.0 and b == pytest.approx(a, abs=0.02)  # cache_salt: no tenant hits another's
 
 
 def test_prompt_blocks_match_the_sims_rendering() -> None:

@@ -278,8 +278,14 @@ async def fetch_router_decisions(session: aiohttp.ClientSession, router_url: str
 
 async def reset_sim(session: aiohttp.ClientSession, urls: Sequence[str]) -> None:
     """Zero the sim's counters and drop its cached blocks, so runs start alike."""
+    await reset_backends(session, urls, "/sim/reset")
+
+
+async def reset_backends(session: aiohttp.ClientSession, urls: Sequence[str], path: str) -> None:
+    """POST `path` on every backend: e.g. vLLM's /reset_prefix_cache (VLLM_SERVER_DEV_MODE=1)."""
+    path = path if path.startswith("/") else "/" + path
     for url in urls:
-        async with session.post(f"{url}/sim/reset") as resp:
+        async with session.post(f"{url.rstrip('/')}{path}") as resp:
             resp.raise_for_status()
 
 
@@ -302,9 +308,12 @@ class RunSummary:
     peak_inflight: dict[str, int]  # high-water mark of running + waiting per backend (sim only)
     overflow_share: float | None  # decisions on overflow or fallback branches / all (our router only)
     branches: dict[str, float] = field(default_factory=dict)
-    tenant_stickiness_min: float | None = None  # over tenants: share of requests on its top backend
+    # Over (tenant, group) pairs of tenant-tagged requests (the router keys on tenant + prefix, so a
+    # pair is one placement): the share of a pair's requests on its most-used backend, min and mean.
+    tenant_stickiness_min: float | None = None
     tenant_stickiness_mean: float | None = None
-    tenant_spread: float | None = None  # distinct top backends of tenants / min(tenants, backends)
+    tenant_spread: float | None = None  # distinct top backends of the pairs / min(pairs, backends)
+    tenant_pairs: int | None = None
     first_error: str | None = None
 
     @property
@@ -378,17 +387,19 @@ def summarise(
 
 
 def _add_stickiness(summary: RunSummary, results: Sequence[RequestResult], n_backends: int) -> None:
-    by_tenant: dict[str, Counter[str]] = {}
+    """Stickiness per (tenant, group) pair and the pairs' spread over the fleet; see RunSummary."""
+    by_pair: dict[tuple[str, str], Counter[str]] = {}
     for r in results:
         if r.tenant is not None and r.backend is not None:
-            by_tenant.setdefault(r.tenant, Counter())[r.backend] += 1
-    if not by_tenant:
+            by_pair.setdefault((r.tenant, r.group), Counter())[r.backend] += 1
+    if not by_pair:
         return
-    sticky = [c.most_common(1)[0][1] / c.total() for c in by_tenant.values()]
-    tops = {c.most_common(1)[0][0] for c in by_tenant.values()}
+    sticky = [c.most_common(1)[0][1] / c.total() for c in by_pair.values()]
+    tops = {c.most_common(1)[0][0] for c in by_pair.values()}
     summary.tenant_stickiness_min = min(sticky)
     summary.tenant_stickiness_mean = statistics.fmean(sticky)
-    summary.tenant_spread = len(tops) / max(1, min(len(by_tenant), n_backends))
+    summary.tenant_spread = len(tops) / max(1, min(len(by_pair), n_backends))
+    summary.tenant_pairs = len(by_pair)
 
 
 async def snapshot(
@@ -406,7 +417,8 @@ class Target:
 
     base_url: str  # the router (or any OpenAI endpoint)
     backend_urls: tuple[str, ...]
-    sim: bool = True  # /sim/stats and /sim/reset; False: vLLM's /metrics, no reset
+    sim: bool = True  # /sim/stats and /sim/reset; False: vLLM's /metrics
+    reset_path: str | None = None  # not the sim: POST this on every backend before a run, when set
 
 
 async def measure(
@@ -421,9 +433,12 @@ async def measure(
     progress: Progress | None = None,
     reset: bool = True,
 ) -> tuple[RunSummary, list[RequestResult]]:
-    """One run: reset (sim), snapshot, drive (closed loop if `concurrency`, else open loop), diff."""
+    """One run: reset (the sim, or `target.reset_path`), snapshot, drive (closed loop if
+    `concurrency`, else open loop), diff."""
     if target.sim and reset:
         await reset_sim(session, target.backend_urls)
+    elif target.reset_path and reset:
+        await reset_backends(session, target.backend_urls, target.reset_path)
     before = await snapshot(session, target.backend_urls, sim=target.sim)
     decisions_before = await fetch_router_decisions(session, target.base_url)
     start = time.monotonic()

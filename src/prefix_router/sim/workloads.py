@@ -184,6 +184,7 @@ def multi_turn(
     system_tokens: int = 64,
     user_median_tokens: int = 120,
     reply_median_tokens: int = 200,
+    max_turn_tokens: int = 1500,
     max_tokens: int = 16,
     seed: int = 2,
     model: str = DEFAULT_MODEL,
@@ -204,10 +205,10 @@ def multi_turn(
         ]
         turns: list[tuple[list[dict[str, str]], str]] = []
         for t in range(rng.randint(min_turns, max_turns)):
-            user = src.text(_sharegpt_length(rng, user_median_tokens, 4, 1500), lead=f"Turn {t}:")
+            user = src.text(_sharegpt_length(rng, user_median_tokens, 4, max_turn_tokens), lead=f"Turn {t}:")
             history = [*history, {"role": "user", "content": user}]
             turns.append((history, f"c{c}"))
-            reply = src.text(_sharegpt_length(rng, reply_median_tokens, 8, 1500))
+            reply = src.text(_sharegpt_length(rng, reply_median_tokens, 8, max_turn_tokens))
             history = [*history, {"role": "assistant", "content": reply}]
         chats.append(turns)
     # Interleave: repeatedly take the next turn of a random conversation with turns left.
@@ -228,8 +229,10 @@ def multi_turn(
         "multi_turn",
         f"{conversations} conversations of {min_turns}-{max_turns} turns, ShareGPT-like lengths, interleaved",
         tuple(requests),
-        {"conversations": conversations, "min_turns": min_turns, "max_turns": max_turns, "seed": seed},
-    )
+        {"conversations": conversations, "min_turns": min_turns, "max_turns": max_turns,
+         "system_tokens": system_tokens, "user_median_tokens": user_median_tokens,
+         "reply_median_tokens": reply_median_tokens, "max_turn_tokens": max_turn_tokens, "seed": seed},
+    )  # fmt: skip
 
 
 # -- (d) hot prefix ------------------------------------------------------------------------------------
@@ -266,8 +269,9 @@ def hot_prefix(
         "hot_prefix",
         f"{requests} requests, {hot_share:.0%} share one system prompt, the rest over {cold_groups} others",
         tuple(out),
-        {"requests": requests, "hot_share": hot_share, "cold_groups": cold_groups, "seed": seed},
-    )
+        {"requests": requests, "hot_share": hot_share, "cold_groups": cold_groups,
+         "system_tokens": system_tokens, "question_tokens": question_tokens, "seed": seed},
+    )  # fmt: skip
 
 
 # -- (e) many tenants, identical prompts -----------------------------------------------------------------
@@ -275,19 +279,21 @@ def hot_prefix(
 
 def tenants(
     *,
-    tenant_count: int = 16,
+    tenant_count: int = 32,
     requests_per_tenant: int = 12,
-    shared_prompts: int = 3,
+    shared_prompts: int = 2,
     system_tokens: int = 1024,
     question_tokens: int = 64,
     max_tokens: int = 16,
     seed: int = 4,
     model: str = DEFAULT_MODEL,
 ) -> Workload:
-    """Tenants sending the very same prompts, told apart only by `x-prefix-cache-key`. Each tenant
-    also sets vLLM's `cache_salt` to its own name, so the engine isolates its cache as the router
-    isolates its placement; the oracle counts a hit only within a tenant. A good policy keeps each
-    tenant on one backend (sticky) and spreads the tenants over the fleet."""
+    """Many tenants sending the very same prompt set (`shared_prompts` system prompts, the same
+    questions), told apart only by `x-prefix-cache-key`. Each tenant also sets vLLM's `cache_salt` to
+    its own name, so the engine isolates its cache as the router isolates its placement; the oracle
+    counts a hit only within a tenant. The router keys on (tenant, model, prefix), so each (tenant,
+    system prompt) pair is one group: a good policy keeps every pair on one backend (sticky) and
+    spreads the pairs over the fleet."""
     src = TextSource(seed)
     rng = src.rng
     systems = [src.text(system_tokens, lead=f"Shared assistant {p}.") for p in range(shared_prompts)]
@@ -296,19 +302,23 @@ def tenants(
     for t in range(tenant_count):
         name = f"tenant-{t:03d}"
         for q in range(requests_per_tenant):
+            p = q % shared_prompts
             messages = [
-                {"role": "system", "content": systems[q % shared_prompts]},
+                {"role": "system", "content": systems[p]},
                 {"role": "user", "content": questions[q]},
             ]
             body = _chat_body(messages, max_tokens, model) | {"cache_salt": name}
-            out.append(WorkloadRequest(body, name, name))
+            out.append(WorkloadRequest(body, f"{name}/p{p}", name))
     rng.shuffle(out)
     return Workload(
         "tenants",
-        f"{tenant_count} tenants x {requests_per_tenant} requests, identical prompts, distinct tenant keys",
+        f"{tenant_count} tenants x {requests_per_tenant} requests over the same {shared_prompts} "
+        f"{system_tokens}-token system prompts, distinct tenant keys and cache_salt",
         tuple(out),
-        {"tenant_count": tenant_count, "requests_per_tenant": requests_per_tenant, "seed": seed},
-    )
+        {"tenant_count": tenant_count, "requests_per_tenant": requests_per_tenant,
+         "shared_prompts": shared_prompts, "system_tokens": system_tokens,
+         "question_tokens": question_tokens, "seed": seed},
+    )  # fmt: skip
 
 
 WORKLOADS: dict[str, Callable[..., Workload]] = {
