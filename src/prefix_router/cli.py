@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 from collections.abc import Sequence
@@ -110,7 +109,7 @@ def load_or_exit(args: argparse.Namespace, extra: dict[str, Any] | None = None) 
 
 def run_serve(args: argparse.Namespace) -> int:
     from prefix_router.app import create_app
-    from prefix_router.server import serve
+    from prefix_router.server import run_loop, serve
 
     settings = load_or_exit(args)
     configure_logging(settings.server.log_level)
@@ -120,7 +119,7 @@ def run_serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    return asyncio.run(serve(create_app(settings)))
+    return run_loop(serve(create_app(settings)))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,11 +8,11 @@ prints what prefix affinity buys: the engines' own hit rate, TTFT, and how the l
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from typing import Any
 
 from prefix_router.errors import SettingsError
+from prefix_router.server import run_loop
 from prefix_router.settings import Settings, load_settings
 from prefix_router.sim.config import SimConfig
 from prefix_router.sim.fleet import SimFleet
@@ -96,8 +96,8 @@ def run_demo(args: argparse.Namespace) -> int:
         if getattr(args, "load", False):
             from prefix_router.demo_load import run_load
 
-            return asyncio.run(run_load(args))
-        return asyncio.run(_run(args))
+            return run_loop(run_load(args))
+        return run_loop(_run(args))
     except OSError as exc:
         print(f"prefix-router demo: {exc}", file=sys.stderr)
         return 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -108,18 +109,49 @@ class RouterMetrics:
             "Requests whose client went away before the response ended.",
             registry=registry,
         )
-        for branch in Branch:
-            self.decisions.labels(branch.value)
+        self._decision_children = {branch: self.decisions.labels(branch.value) for branch in Branch}
+        self._backend_series: dict[str, BackendSeries] = {}
         for code in ROUTER_ERROR_CODES:
             self.router_errors.labels(code)
         registry.register(_FleetCollector(snapshot))
 
+    def decided(self, branch: Branch) -> None:
+        self._decision_children[branch].inc()
+
+    def backend(self, url: str) -> BackendSeries:
+        """A backend's labelled series, looked up once rather than on every request."""
+        series = self._backend_series.get(url)
+        if series is None:
+            series = BackendSeries(self, url)
+            self._backend_series[url] = series
+        return series
+
     def forget_backend(self, url: str) -> None:
         """Drop the series of a backend that left, so series stay bounded by the live fleet."""
+        self._backend_series.pop(url, None)
         for metric in (self.requests, self.duration, self.ttfb, self.upstream_errors):
             for labels in list(metric._metrics):  # prometheus_client has no public listing
                 if labels and labels[0] == url:
                     metric.remove(*labels)
+
+
+class BackendSeries:
+    __slots__ = ("_metrics", "_requests", "duration", "ttfb", "url")
+
+    def __init__(self, metrics: RouterMetrics, url: str) -> None:
+        self._metrics = metrics
+        self.url = url
+        self.ttfb = metrics.ttfb.labels(url)
+        self.duration = metrics.duration.labels(url)
+        self._requests: dict[tuple[Branch, int], Any] = {}
+
+    def answered(self, branch: Branch, status: int) -> None:
+        key = (branch, status // 100)
+        child = self._requests.get(key)
+        if child is None:
+            child = self._metrics.requests.labels(self.url, branch.value, status_class(status))
+            self._requests[key] = child
+        child.inc()
 
 
 class _FleetCollector(Collector):

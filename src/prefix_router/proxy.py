@@ -34,7 +34,7 @@ from prefix_router.errors import (
     StreamBroken,
     UpstreamError,
 )
-from prefix_router.metrics import RouterMetrics, status_class
+from prefix_router.metrics import RouterMetrics
 from prefix_router.routing.keys import RoutingKey, extract_key
 from prefix_router.routing.load import Lease
 from prefix_router.routing.picker import Branch, Decision, Picker
@@ -309,7 +309,7 @@ class Proxy:
                 raise
             backend = decision.backend_id
             branch = Branch.RETRY if retrying else decision.branch
-            self._metrics.decisions.labels(branch.value).inc()
+            self._metrics.decided(branch)
             lease = self._backends.load.acquire(backend)
             if retrying:
                 self._retrying += 1
@@ -317,7 +317,7 @@ class Proxy:
             try:
                 try:
                     resp = await self._upstream.send(
-                        method, str(self._target(backend, raw_path, query)), headers, body, None
+                        method, self._target(backend, raw_path, query), headers, body, None
                     )
                 except ConnectFailed as exc:
                     self._metrics.upstream_errors.labels(backend, exc.kind).inc()
@@ -357,6 +357,7 @@ class Proxy:
         self, send: Any, resp: UpstreamResponse, backend: str, branch: Branch, started: float
     ) -> None:
         """Relay the response as it arrives; on any exit but the end, drop the upstream connection."""
+        series = self._metrics.backend(backend)
         headers = resp.headers
         if self._settings.server.backend_header:
             headers.append((BACKEND_HEADER, backend.encode("latin-1")))
@@ -374,7 +375,7 @@ class Proxy:
                     # close the connection, which the client sees as a truncated response.
                     return
                 if first:
-                    self._metrics.ttfb.labels(backend).observe(time.perf_counter() - started)
+                    series.ttfb.observe(time.perf_counter() - started)
                     first = False
                 if not chunk:
                     break
@@ -385,5 +386,5 @@ class Proxy:
         finally:
             if not complete:
                 resp.abort()
-            self._metrics.requests.labels(backend, branch.value, status_class(resp.status)).inc()
-            self._metrics.duration.labels(backend).observe(time.perf_counter() - started)
+            series.answered(branch, resp.status)
+            series.duration.observe(time.perf_counter() - started)

@@ -9,7 +9,7 @@ import contextlib
 import logging
 import signal
 import socket
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from typing import Any
 
 import uvicorn
@@ -80,3 +80,13 @@ async def serve(app: RouterApp, sockets: list[socket.socket] | None = None) -> i
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
     return 0 if main.started else 1
+
+
+def run_loop(main: Coroutine[Any, Any, int]) -> int:
+    """Run on uvloop when it is installed (uvicorn[standard] brings it): a cheaper event loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(main)

@@ -12,6 +12,7 @@ import asyncio
 from collections.abc import Sequence
 
 import aiohttp
+from yarl import URL
 
 from prefix_router.errors import ConnectFailed, FirstByteTimeout, NoAnswer, StreamBroken
 from prefix_router.settings import UpstreamSettings
@@ -45,17 +46,26 @@ def _named_in_connection(headers: Sequence[tuple[bytes, bytes]]) -> frozenset[by
 def request_headers(
     raw: Sequence[tuple[bytes, bytes]], client_ip: str | None, scheme: str
 ) -> list[tuple[str, str]]:
-    """The client's headers minus hop-by-hop ones, with X-Forwarded-For/-Proto set."""
-    drop = _REQUEST_DROP | _named_in_connection(raw)
+    """The client's headers minus hop-by-hop ones, with X-Forwarded-For/-Proto set. One pass; the
+    fields a Connection header names (rare) are dropped afterwards."""
     out: list[tuple[str, str]] = []
     forwarded_for: str | None = None
+    connection: bytes | None = None
     for name, value in raw:
-        if name in drop or name == b"x-forwarded-proto":
+        if name in _REQUEST_DROP:
+            if name == b"connection":
+                connection = value if connection is None else connection + b"," + value
+            continue
+        if name == b"x-forwarded-proto":
             continue
         if name == b"x-forwarded-for":
             forwarded_for = value.decode("latin-1")
             continue
         out.append((name.decode("latin-1"), value.decode("latin-1")))
+    if connection is not None:
+        named = _named_in_connection([(b"connection", connection)])
+        if named:
+            out = [(n, v) for n, v in out if n.encode("latin-1") not in named]
     if client_ip:
         forwarded_for = f"{forwarded_for}, {client_ip}" if forwarded_for else client_ip
     if forwarded_for:
@@ -83,9 +93,14 @@ class UpstreamResponse:
 
     async def next_chunk(self) -> bytes:
         """The next bytes of the body, b'' at its end; StreamBroken on reset or idle timeout."""
+        content = self._resp.content
         try:
+            # Bytes already buffered (most bodies, most chunks) need no timer at all.
+            data = content.read_nowait()
+            if data or content.at_eof():
+                return data
             async with asyncio.timeout(self._idle_s):
-                return await self._resp.content.readany()
+                return await content.readany()
         except TimeoutError as exc:
             raise StreamBroken("stream_idle_timeout") from exc
         except (aiohttp.ClientError, OSError) as exc:
@@ -162,7 +177,7 @@ class Upstream:
     async def send(
         self,
         method: str,
-        url: str,
+        url: URL,
         headers: list[tuple[str, str]],
         body: bytes,
         first_byte_timeout_s: float | None,
@@ -176,12 +191,13 @@ class Upstream:
                 resp = await self.session.request(
                     method, url, headers=headers, data=body or None, allow_redirects=False, compress=None
                 )
+        except aiohttp.ServerTimeoutError as exc:
+            # aiohttp's connect timeout; it subclasses TimeoutError, so it must be caught first.
+            raise ConnectFailed("connect timed out") from exc
         except TimeoutError as exc:
             raise FirstByteTimeout(f"no response within {timeout:g} s") from exc
         except aiohttp.ClientConnectorError as exc:
             raise ConnectFailed(f"connect failed: {type(exc).__name__}") from exc
-        except aiohttp.ServerTimeoutError as exc:  # connect timeout
-            raise ConnectFailed("connect timed out") from exc
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError) as exc:
             raise NoAnswer(f"backend closed the connection: {type(exc).__name__}") from exc
         except aiohttp.ClientResponseError as exc:  # unparsable response head

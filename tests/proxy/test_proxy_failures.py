@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import aiohttp
@@ -176,3 +177,35 @@ async def test_bad_input_is_routed_or_rejected_never_a_router_5xx(fake_backends,
     # And the router keeps serving the next request.
     resp = await client.post(f"{r.url}{CHAT}", json=body("fine"))
     assert resp.status_code == 200
+
+
+async def test_connect_timeout_is_retried_on_the_next_backend(fake_backends, router, client) -> None:
+    """A backend whose accept queue is full times out on connect: that is a connect failure
+    (retried, counted towards ejection), not a first-byte timeout."""
+    import socket
+
+    good = (await fake_backends(1))[0]
+    stuck = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    stuck.bind(("127.0.0.1", 0))
+    stuck.listen(0)
+    fillers = []
+    for _ in range(8):  # fill the backlog so further SYNs are dropped
+        f = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        f.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            f.connect(stuck.getsockname())
+        fillers.append(f)
+    stuck_url = f"http://127.0.0.1:{stuck.getsockname()[1]}"
+    r = await router(router_settings([good, stuck_url], upstream={"connect_timeout_s": 0.3}))
+    try:
+        for i in range(12):
+            resp = await client.post(f"{r.url}{CHAT}", json=body(f"key {i}"))
+            assert resp.status_code == 200, resp.text
+            assert resp.headers["x-prefix-router-backend"] == good.url
+        text = (await client.get(f"{r.url}/metrics")).text
+        assert f'prefix_router_upstream_errors_total{{backend="{stuck_url}",kind="connect"}}' in text
+        assert "first_byte_timeout" not in text.split("prefix_router_upstream_errors_total")[1].split("#")[0]
+    finally:
+        for f in fillers:
+            f.close()
+        stuck.close()
