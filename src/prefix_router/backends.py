@@ -76,6 +76,7 @@ class BackendSet:
         self._ring_members: tuple[tuple[str, float], ...] = ()
         self._candidates = Candidates.of(())
         self._overridden = False
+        self._slow_starting: set[str] = set()  # recovered within slow_start_s: checked per request
         self.replace_members(specs)
 
     # -- views ---------------------------------------------------------------------------------
@@ -111,20 +112,19 @@ class BackendSet:
 
     def candidates_now(self, rng: random.Random) -> Candidates:
         """The candidates for one request; a backend in slow start takes a growing share of turns."""
-        policy = self._policy
-        if policy.slow_start_s <= 0:
+        if not self._slow_starting:
             return self._candidates
         now = self._clock()
-        skip = [
-            b.url
-            for b in self._backends.values()
-            if b.recovered_at is not None
-            and b.url in self._candidates.members
-            and rng.random() > (now - b.recovered_at) / policy.slow_start_s
-        ]
-        if not skip:
-            return self._candidates
-        if len(skip) == len(self._candidates.ids):
+        ramp = self._policy.slow_start_s
+        skip = []
+        for url in list(self._slow_starting):
+            backend = self._backends.get(url)
+            since = backend.recovered_at if backend is not None else None
+            if since is None or now - since >= ramp:
+                self._slow_starting.discard(url)
+            elif url in self._candidates.members and rng.random() > (now - since) / ramp:
+                skip.append(url)
+        if not skip or len(skip) == len(self._candidates.ids):
             return self._candidates
         return self._candidates.without(skip)
 
@@ -207,6 +207,8 @@ class BackendSet:
                 backend.state = HealthState.HEALTHY
                 backend.successes = 0
                 backend.recovered_at = self._clock()
+                if self._policy.slow_start_s > 0:
+                    self._slow_starting.add(url)
                 self._settle()
         elif (
             backend.recovered_at is not None

@@ -26,20 +26,24 @@ class HashRing:
     def __init__(self, members: Sequence[Member], vnodes: int) -> None:
         if vnodes < 1:
             raise ValueError("vnodes must be at least 1")
-        pairs: list[tuple[int, str]] = []
+        owner_of: dict[int, str] = {}
         seen: set[str] = set()
         for member in members:
-            if member.backend_id in seen:
-                raise ValueError(f"duplicate backend {member.backend_id!r}")
+            backend = member.backend_id
+            if backend in seen:
+                raise ValueError(f"duplicate backend {backend!r}")
             if member.weight <= 0:
-                raise ValueError(f"backend {member.backend_id!r}: weight must be positive")
-            seen.add(member.backend_id)
-            count = max(1, round(vnodes * member.weight))
-            pairs.extend((vnode_hash(member.backend_id, i), member.backend_id) for i in range(count))
-        # Ties between two backends' points (a 2^-64 event) are broken by id, so order stays deterministic.
-        pairs.sort()
-        self._points: list[int] = [p for p, _ in pairs]
-        self._owners: list[str] = [o for _, o in pairs]
+                raise ValueError(f"backend {backend!r}: weight must be positive")
+            seen.add(backend)
+            for i in range(max(1, round(vnodes * member.weight))):
+                point = vnode_hash(backend, i)
+                # Two backends on one point (a 2^-64 event): the smaller id keeps it, whatever the order.
+                held = owner_of.get(point)
+                if held is None or backend < held:
+                    owner_of[point] = backend
+        # Sorting plain ints, not (point, id) tuples: a 1,000-backend ring builds in a fraction of the time.
+        self._points: list[int] = sorted(owner_of)
+        self._owners: list[str] = [owner_of[p] for p in self._points]
         self._members: tuple[str, ...] = tuple(sorted(seen))
 
     @property
