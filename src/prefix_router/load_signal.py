@@ -74,6 +74,7 @@ class LoadSignalScraper:
 
     async def scrape_all(self) -> None:
         await asyncio.gather(*(self._scrape(url) for url in self._backends.live_urls()))
+        self._backends.load.estimate_replicas()
         if self._on_scraped is not None:
             self._on_scraped()
 

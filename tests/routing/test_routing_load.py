@@ -183,3 +183,32 @@ def test_total_load_is_the_sum_of_loads(ops: list[tuple[str, str, int]]) -> None
             tracker.clear_external(backend)
         assert tracker.total_load() == pytest.approx(sum(tracker.load(b) for b in "abc"))
         assert all(tracker.load(b) >= tracker.inflight(b) for b in "abc")
+
+
+def test_placements_since_the_scrape_count_for_the_other_replicas_too() -> None:
+    load = LoadTracker()
+    for _ in range(2):
+        load.acquire("a")
+    load.acquire("b")
+    # Three replicas with an even split: each backend's figure is three times this replica's count.
+    load.set_external("a", 6.0, local_then=2)
+    load.set_external("b", 3.0, local_then=1)
+    assert load.estimate_replicas() == 3.0
+    assert load.load("a") == 2 + (6 - 2)
+    load.acquire("a")  # one more here since the scrape: the two others likely placed one each
+    assert load.load("a") == 3 + (6 - 2) + 2 * 1
+    assert load.total_load() == 4 + (6 - 2) + (3 - 1) + 2 * 1
+    load.set_external("a", 9.0, local_then=3)  # the next scrape replaces the extrapolation
+    assert load.load("a") == 3 + (9 - 3)
+
+
+def test_replica_estimate_is_one_without_other_traffic_and_bounded() -> None:
+    load = LoadTracker()
+    assert load.estimate_replicas() == 1.0
+    load.acquire("a")
+    load.set_external("a", 1.0, local_then=1)
+    assert load.estimate_replicas() == 1.0
+    load.acquire("a")
+    assert load.load("a") == 2  # a lone replica adds nothing for others
+    load.set_external("a", 500.0, local_then=1)
+    assert load.estimate_replicas() == 8.0  # capped: a huge figure is not 500 replicas

@@ -50,21 +50,31 @@ class LoadTracker:
     """Per-backend in-flight counts of this replica, plus an optional load signal from the backends.
 
     The backends' own figure (vLLM's running + waiting, scraped) includes this replica's requests as
-    they stood at the scrape, so the effective load is local + max(0, scraped - local_at_scrape): the
-    other replicas' share, plus what this replica has done since.
+    they stood at the scrape, so the other replicas' share is max(0, scraped - local_at_scrape). Until
+    the next scrape the others keep placing too: with one ring and clients spread over the replicas,
+    each places about as many on a backend as this one does, so every placement here since the scrape
+    also counts (replicas - 1) times for the others, the number of replicas estimated from the scrape
+    (fleet-wide scraped load over this replica's share of it). Releases are not extrapolated, so the
+    estimate errs towards a fuller backend, and the next scrape corrects it.
     """
 
-    __slots__ = ("_external", "_external_extra", "_inflight", "_total")
+    __slots__ = ("_external", "_external_extra", "_inflight", "_others", "_since", "_since_total", "_total")
 
     def __init__(self) -> None:
         self._inflight: dict[str, int] = {}
         self._external: dict[str, tuple[float, int]] = {}
         self._total = 0  # kept with every change, so a pick costs the same for 4 or 1,000 backends
         self._external_extra = 0.0
+        self._since: dict[str, int] = {}  # placements since the backend's last scrape
+        self._since_total = 0
+        self._others = 0.0  # estimated other replicas (replicas - 1)
 
     def acquire(self, backend_id: str) -> Lease:
         self._inflight[backend_id] = self._inflight.get(backend_id, 0) + 1
         self._total += 1
+        if backend_id in self._external:
+            self._since[backend_id] = self._since.get(backend_id, 0) + 1
+            self._since_total += 1
         return Lease(self, backend_id)
 
     def _decrement(self, backend_id: str) -> None:
@@ -93,6 +103,15 @@ class LoadTracker:
         old = self._external.pop(backend_id, None)
         if old is not None:
             self._external_extra -= max(0.0, old[0] - old[1])
+        self._since_total -= self._since.pop(backend_id, 0)
+
+    def estimate_replicas(self) -> float:
+        """Set the replica estimate from the latest scrapes; returns it (1 with no signal)."""
+        scraped = sum(figure for figure, _ in self._external.values())
+        ours = sum(local_then for _, local_then in self._external.values())
+        replicas = 1.0 if ours == 0 else min(8.0, max(1.0, scraped / ours))
+        self._others = replicas - 1.0
+        return replicas
 
     def load(self, backend_id: str) -> float:
         local = self._inflight.get(backend_id, 0)
@@ -100,8 +119,8 @@ class LoadTracker:
         if ext is None:
             return local
         scraped, local_then = ext
-        return local + max(0.0, scraped - local_then)
+        return local + max(0.0, scraped - local_then) + self._others * self._since.get(backend_id, 0)
 
     def total_load(self) -> float:
-        """Load over every backend tracked (in-flight plus other replicas' scraped share)."""
-        return self._total + self._external_extra
+        """Load over every backend tracked (in-flight plus other replicas' estimated share)."""
+        return self._total + self._external_extra + self._others * self._since_total
