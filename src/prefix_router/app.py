@@ -52,14 +52,17 @@ ERROR_TABLE: dict[type[errors.RouterError], tuple[int, str, str]] = {
 }
 
 
-def error_response_parts(exc: errors.RouterError) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-    """Status, headers and OpenAI-shaped JSON body for an error the router answers itself."""
+def error_code(exc: errors.RouterError) -> tuple[int, str, str]:
+    """(status, OpenAI error type, code) of the nearest class of `exc` in ERROR_TABLE."""
     for cls in type(exc).__mro__:
         if cls in ERROR_TABLE:
-            status, kind, code = ERROR_TABLE[cls]
-            break
-    else:  # pragma: no cover - RouterError is in the table
-        status, kind, code = 502, "server_error", "upstream_unavailable"
+            return ERROR_TABLE[cls]
+    return ERROR_TABLE[errors.RouterError]  # pragma: no cover - every RouterError has an ancestor entry
+
+
+def error_response_parts(exc: errors.RouterError) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """Status, headers and OpenAI-shaped JSON body for an error the router answers itself."""
+    status, kind, code = error_code(exc)
     body = orjson.dumps({"error": {"message": str(exc), "type": kind, "code": code, "param": None}})
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if isinstance(exc, errors.Overloaded):
@@ -124,8 +127,7 @@ class RouterApp:
 
     async def _send_error(self, send: Any, exc: errors.RouterError) -> None:
         status, headers, body = error_response_parts(exc)
-        code = ERROR_TABLE.get(type(exc), (0, "", "bad_request"))[2]
-        self.metrics.router_errors.labels(code if code in _CODES else "bad_request").inc()
+        self.metrics.router_errors.labels(error_code(exc)[2]).inc()
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
@@ -272,9 +274,6 @@ class RouterApp:
             return JSONResponse({"draining": url})
 
         return app
-
-
-_CODES = frozenset(code for _, _, code in ERROR_TABLE.values())
 
 
 def create_app(settings: Settings, *, rng: random.Random | None = None) -> RouterApp:

@@ -108,7 +108,16 @@ async def test_no_backend_gives_openai_shaped_503(router, client) -> None:
     err = resp.json()["error"]
     assert set(err) >= {"message", "type", "code"}
     assert err["code"] == "upstream_unavailable"
+    text = (await client.get(f"{r.url}/metrics")).text
+    assert 'prefix_router_errors_total{code="upstream_unavailable"} 1.0' in text
     dead_sock.close()
+
+
+def test_every_error_code_is_a_closed_metric_label() -> None:
+    from prefix_router.app import ERROR_TABLE
+    from prefix_router.metrics import ROUTER_ERROR_CODES
+
+    assert {code for _, _, code in ERROR_TABLE.values()} <= set(ROUTER_ERROR_CODES)
 
 
 async def test_backend_closing_without_answer_is_502(fake_backends, router, client) -> None:
