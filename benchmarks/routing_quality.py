@@ -13,8 +13,8 @@ llm-d-inference-sim example figure; a cold 2k-token prefix costs ~0.5 s, a warm 
 cache that fits ~2x a fair share of the workload's prefixes plus the running prompts, and
 max_num_seqs 8, so a backend given more than its share queues and its TTFT shows it.
 
-    python benchmarks/routing_quality.py            # default: ~25 minutes on 2 cores (80 runs)
-    python benchmarks/routing_quality.py --quick    # ~12 minutes
+    python benchmarks/routing_quality.py            # default: ~17 minutes on 2 cores (90 runs), more if busy
+    python benchmarks/routing_quality.py --quick    # about half that
     python benchmarks/routing_quality.py --workloads long_context --policies prefix --closed-only
     # real vLLM: no oracle; every (policy, mode) run gets its own workload seed so it cannot hit what an
     # earlier run cached, and --reset-url-path empties the caches too (vLLM needs VLLM_SERVER_DEV_MODE=1);
@@ -51,7 +51,7 @@ import yaml
 from prefix_router import __version__
 from prefix_router.sim.config import SimConfig
 from prefix_router.sim.fleet import SimFleet
-from prefix_router.sim.loadgen import RunSummary, Target, client_session, measure
+from prefix_router.sim.loadgen import RunSummary, Target, balanced_placement, client_session, measure
 from prefix_router.sim.workloads import (
     DEFAULT_MODEL,
     Workload,
@@ -74,6 +74,7 @@ class PolicySpec:
     name: str
     settings: dict[str, Any]  # router settings overrides (ours); empty for sglang
     sglang: bool = False
+    static: bool = False  # no router: the driver sends each group to a fixed, balanced backend
 
 
 POLICIES: tuple[PolicySpec, ...] = (
@@ -87,6 +88,27 @@ POLICIES: tuple[PolicySpec, ...] = (
     PolicySpec("prefix_c2", {"balancing": {"policy": "prefix", "load_factor": 2.0}}),
 )
 SGLANG = PolicySpec("sglang_cache_aware", {}, sglang=True)
+# A reference, not a router: every group on one backend, groups balanced by their (known) request
+# counts. Under the same concurrency it shows what the serial oracle cannot: prompts that start while
+# their prefix is still being prefilled miss whatever the placement. (Not "ideal" for hot_prefix,
+# whose hot group it leaves on one backend.)
+STATIC = PolicySpec("static_balanced", {}, static=True)
+# Settings a user could choose, run only when named with --policies (not part of the default grid).
+EXPERIMENTS: tuple[PolicySpec, ...] = (
+    PolicySpec("prefix_floor0", {"balancing": {"policy": "prefix", "load_floor": 0}}),  # before 1baad94
+    PolicySpec("prefix_floor16", {"balancing": {"policy": "prefix", "load_floor": 16}}),
+    PolicySpec(
+        "prefix_floor16_c2", {"balancing": {"policy": "prefix", "load_floor": 16, "load_factor": 2.0}}
+    ),
+    PolicySpec(
+        "prefix_ring_floor16",
+        {"balancing": {"policy": "prefix", "load_floor": 16}, "routing": {"prefix_index": False}},
+    ),
+    PolicySpec(
+        "prefix_ring_c2",
+        {"balancing": {"policy": "prefix", "load_factor": 2.0}, "routing": {"prefix_index": False}},
+    ),
+)
 
 
 @dataclass(frozen=True)
@@ -255,6 +277,21 @@ async def run_cell(
     workload = spec.make(offset) if offset else spec.workload
     target = Target(base_url="", backend_urls=tuple(urls), sim=sim,
                     reset_path=None if sim else args.reset_url_path)  # fmt: skip
+    if policy.static:
+        routes = balanced_placement(workload, urls)
+        summary, _ = await measure(
+            session,
+            dataclasses.replace(target, base_url=urls[0], routes=routes),
+            workload,
+            concurrency=spec.concurrency if mode == "closed" else None,
+            rate_per_s=spec.rate_per_s if mode == "open" else None,
+            max_duration_s=args.open_duration,
+            oracle_hit_rate=oracle,
+        )
+        extra = {"workload_seed": workload.params.get("seed"), "workload_params": workload.params}
+        return Cell(
+            workload.name, policy.name, mode, summary, "(no router: static balanced placement)", extra
+        )
     async with router_process(session, policy, urls, workdir) as (base, cmd):
         summary, _ = await measure(
             session,
@@ -271,7 +308,7 @@ async def run_cell(
 
 def run_seed_offset(policy: str, mode: str) -> int:
     """A workload seed offset per (policy, mode), stable whatever --policies selects."""
-    names = [p.name for p in (*POLICIES, SGLANG)]
+    names = [p.name for p in (*POLICIES, SGLANG, *EXPERIMENTS, STATIC)]
     return 100 * (1 + 2 * names.index(policy) + (mode == "open"))
 
 
@@ -357,7 +394,12 @@ def check_targets(cells: list[Cell]) -> list[str]:
         if ours is None or rnd is None:
             continue
         r = ours.oracle_ratio or 0
-        verdict(r >= 0.95, f"{w}: hit rate {ours.hit_rate:.1%} = {r:.0%} of oracle (target >= 95%)")
+        ref = get(w, STATIC.name)
+        ref_text = ""
+        if ref is not None and ref.hit_rate:
+            ref_text = (f"; static balanced placement {ref.hit_rate:.1%} = {ref.oracle_ratio or 0:.0%} of "
+                        f"oracle, ours {ours.hit_rate / ref.hit_rate:.0%} of it")  # fmt: skip
+        verdict(r >= 0.95, f"{w}: hit rate {ours.hit_rate:.1%} = {r:.0%} of oracle (target >= 95%){ref_text}")
         if ours.ttft_p50_s and rnd.ttft_p50_s:
             x = rnd.ttft_p50_s / ours.ttft_p50_s
             verdict(x >= 3, f"{w}: TTFT p50 {x:.1f}x lower than random (target >= 3x)")
@@ -408,6 +450,12 @@ async def run(args: argparse.Namespace) -> int:
     if args.workloads:
         specs = [s for s in specs if s.workload.name in args.workloads]
     policies = [p for p in POLICIES if not args.policies or p.name in args.policies]
+    policies += [p for p in EXPERIMENTS if args.policies and p.name in args.policies]
+    if not args.policies or STATIC.name in args.policies:
+        policies.append(STATIC)
+    known = {p.name for p in (*POLICIES, *EXPERIMENTS, SGLANG, STATIC)}
+    if unknown := sorted(set(args.policies or ()) - known):
+        raise SystemExit(f"unknown policies {unknown}; known: {sorted(known)}")
     if not args.no_sglang and sglang_available() and (not args.policies or SGLANG.name in args.policies):
         policies.append(SGLANG)
     elif not args.no_sglang:
@@ -532,7 +580,11 @@ def main() -> int:
         "--model", default=DEFAULT_MODEL, help="the model name the requests carry (default: %(default)s)"
     )
     parser.add_argument("--workloads", nargs="+", help="only these workloads")
-    parser.add_argument("--policies", nargs="+", help="only these policies")
+    parser.add_argument(
+        "--policies", nargs="+",
+        help="only these policies; also the settings experiments, not run by default: "
+        + ", ".join(p.name for p in EXPERIMENTS),
+    )  # fmt: skip
     parser.add_argument("--closed-only", action="store_true", help="skip the open-loop (Poisson) runs")
     parser.add_argument("--no-sglang", action="store_true", help="skip SGLang's router even if installed")
     parser.add_argument(

@@ -13,6 +13,7 @@ from prefix_router.sim.loadgen import (
     Progress,
     RequestResult,
     Target,
+    balanced_placement,
     client_session,
     fetch_vllm_counters,
     measure,
@@ -146,3 +147,23 @@ async def test_reset_path_empties_external_backends_between_runs(fleet: SimFleet
     assert first.requests == again_cold.requests == 6
     assert again_cold.hit_rate == pytest.approx(first.hit_rate)
     assert again_warm.hit_rate > first.hit_rate  # no reset: it hit what the first run cached
+
+
+def test_balanced_placement_keeps_groups_whole_and_balances_requests() -> None:
+    workload = shared_prefix(groups=6, prompts_per_group=4, system_tokens=16, question_tokens=4)
+    routes = balanced_placement(workload, ["u1", "u2", "u3"])
+    assert sorted(routes) == [f"g{g}" for g in range(6)]
+    per_url = {u: sum(routes[r.group] == u for r in workload.requests) for u in ("u1", "u2", "u3")}
+    assert per_url == {"u1": 8, "u2": 8, "u3": 8}
+
+
+async def test_routes_send_each_group_to_its_backend(fleet: SimFleet) -> None:
+    workload = shared_prefix(groups=2, prompts_per_group=3, system_tokens=64, question_tokens=8, max_tokens=2)
+    routes = {"g0": fleet.urls[0], "g1": fleet.urls[1]}
+    async with client_session() as session:
+        target = Target(fleet.urls[0], tuple(fleet.urls), routes=routes)
+        summary, results = await measure(session, target, workload, concurrency=2)
+    assert summary.errors == 0
+    assert all(r.backend == routes[r.group] for r in results)
+    assert summary.backend_share == {fleet.urls[0]: 0.5, fleet.urls[1]: 0.5}
+    assert summary.overflow_share is None  # no router answered /metrics with decisions

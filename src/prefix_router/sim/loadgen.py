@@ -19,7 +19,7 @@ import random
 import statistics
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,10 +69,21 @@ class Progress:
 
 
 async def send_one(
-    session: aiohttp.ClientSession, base_url: str, index: int, request: WorkloadRequest, timeout_s: float
+    session: aiohttp.ClientSession,
+    base_url: str,
+    index: int,
+    request: WorkloadRequest,
+    timeout_s: float,
+    routes: Mapping[str, str] | None = None,
 ) -> RequestResult:
-    """Stream one chat completion; the result records failures instead of raising them."""
+    """Stream one chat completion; the result records failures instead of raising them.
+
+    `routes` (group -> backend URL) bypasses `base_url` for the groups it names: a fixed placement
+    to compare routers against; the result's `backend` is then that URL."""
     result = RequestResult(index, request.group, request.tenant)
+    if routes and request.group in routes:
+        base_url = routes[request.group]
+        result.backend = base_url
     body = request.body | {"stream": True, "stream_options": {"include_usage": True}}
     headers = {"content-type": "application/json", **request.headers()}
     start = time.monotonic()
@@ -82,7 +93,7 @@ async def send_one(
                 f"{base_url}/v1/chat/completions", data=orjson.dumps(body), headers=headers
             ) as resp:
                 result.status = resp.status
-                result.backend = resp.headers.get(BACKEND_HEADER)
+                result.backend = resp.headers.get(BACKEND_HEADER, result.backend)
                 if resp.status != 200:
                     result.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                     return result
@@ -141,6 +152,7 @@ async def run_closed_loop(
     concurrency: int,
     progress: Progress | None = None,
     timeout_s: float = 120.0,
+    routes: Mapping[str, str] | None = None,
 ) -> list[RequestResult]:
     """`concurrency` workers take the requests in workload order; results in workload order."""
     requests = workload.requests
@@ -152,7 +164,7 @@ async def run_closed_loop(
         for index in cursor:
             request = requests[index]
             await deps.wait_for(request)
-            result = await send_one(session, base_url, index, request, timeout_s)
+            result = await send_one(session, base_url, index, request, timeout_s, routes)
             results[index] = result
             deps.finished(index)
             if progress is not None:
@@ -173,6 +185,7 @@ async def run_open_loop(
     seed: int = 0,
     progress: Progress | None = None,
     timeout_s: float = 120.0,
+    routes: Mapping[str, str] | None = None,
 ) -> list[RequestResult]:
     """Poisson arrivals at `rate_per_s` (exponential gaps, seeded), in workload order, until the
     workload, `max_requests` or `max_duration_s` of arrivals runs out; waits for all sent to end."""
@@ -189,7 +202,7 @@ async def run_open_loop(
 
     async def fire(index: int, request: WorkloadRequest) -> None:
         await deps.wait_for(request)
-        result = await send_one(session, base_url, index, request, timeout_s)
+        result = await send_one(session, base_url, index, request, timeout_s, routes)
         results.append(result)
         deps.finished(index)
         if progress is not None:
@@ -207,6 +220,20 @@ async def run_open_loop(
         await asyncio.gather(*tasks)
     # A request whose predecessor was never sent (the time bound cut it) is never sent either.
     return sorted(results, key=lambda r: r.index)
+
+
+def balanced_placement(workload: Workload, urls: Sequence[str]) -> dict[str, str]:
+    """A fixed group -> backend map with no group split: largest groups first, each onto the backend
+    with the fewest requests so far (ties: the earlier URL). A reference a router cannot beat on
+    affinity or balance of whole groups, since it knows every group's size in advance."""
+    sizes = Counter(r.group for r in workload.requests)
+    loads = dict.fromkeys(urls, 0)
+    routes: dict[str, str] = {}
+    for group, n in sorted(sizes.items(), key=lambda kv: (-kv[1], kv[0])):
+        url = min(urls, key=lambda u: loads[u])
+        routes[group] = url
+        loads[url] += n
+    return routes
 
 
 # -- counters from the backends and the router -------------------------------------------------------
@@ -419,6 +446,7 @@ class Target:
     backend_urls: tuple[str, ...]
     sim: bool = True  # /sim/stats and /sim/reset; False: vLLM's /metrics
     reset_path: str | None = None  # not the sim: POST this on every backend before a run, when set
+    routes: Mapping[str, str] | None = None  # group -> backend URL, bypassing base_url (a fixed placement)
 
 
 async def measure(
@@ -444,12 +472,17 @@ async def measure(
     start = time.monotonic()
     if concurrency is not None:
         results = await run_closed_loop(
-            session, target.base_url, workload, concurrency=concurrency, progress=progress
+            session,
+            target.base_url,
+            workload,
+            concurrency=concurrency,
+            progress=progress,
+            routes=target.routes,
         )
     elif rate_per_s is not None:
         results = await run_open_loop(
             session, target.base_url, workload, rate_per_s=rate_per_s,
-            max_duration_s=max_duration_s, progress=progress,
+            max_duration_s=max_duration_s, progress=progress, routes=target.routes,
         )  # fmt: skip
     else:
         raise ValueError("give concurrency (closed loop) or rate_per_s (open loop)")
