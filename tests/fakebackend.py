@@ -24,6 +24,7 @@ class Seen:
     query: str
     headers: dict[str, str]
     body: bytes
+    at: float = 0.0  # loop time of arrival
 
 
 @dataclass
@@ -33,6 +34,8 @@ class FakeBackend:
     health_status: int = 200
     health_delay_s: float = 0.0
     chunk_delay_s: float = 0.0
+    first_chunk_delay_s: float = 0.0  # a prefill before a stream's first event
+    first_chunk_at: list[float] = field(default_factory=list)
     seen: list[Seen] = field(default_factory=list)
     active: int = 0
     peak_active: int = 0
@@ -73,7 +76,8 @@ class FakeBackend:
             if self.health_delay_s:
                 await asyncio.sleep(self.health_delay_s)
             return web.Response(status=self.health_status)
-        self.seen.append(Seen(request.method, path, request.query_string, dict(request.headers), body))
+        now = asyncio.get_running_loop().time()
+        self.seen.append(Seen(request.method, path, request.query_string, dict(request.headers), body, now))
         self.active += 1
         self.peak_active = max(self.peak_active, self.active)
         try:
@@ -122,6 +126,8 @@ class FakeBackend:
         reset_after = int(self.mode.split(":", 1)[1]) if self.mode.startswith("reset_after:") else None
         hang_after = int(request.query["hang_after"]) if "hang_after" in request.query else None
         resp = web.StreamResponse(headers={"content-type": "text/event-stream", "cache-control": "no-cache"})
+        if self.first_chunk_delay_s:
+            await asyncio.sleep(self.first_chunk_delay_s)
         await resp.prepare(request)
         for i in range(n):
             if reset_after is not None and i == reset_after:
@@ -132,6 +138,8 @@ class FakeBackend:
                 await asyncio.Event().wait()
             event = json.dumps({"i": i, "backend": self.name})
             await resp.write(f"data: {event}\n\n".encode())
+            if i == 0:
+                self.first_chunk_at.append(asyncio.get_running_loop().time())
             if delay:
                 await asyncio.sleep(delay)
         await resp.write(b"data: [DONE]\n\n")

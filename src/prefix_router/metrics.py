@@ -104,6 +104,12 @@ class RouterMetrics:
             ["code"],
             registry=registry,
         )
+        self.prefill_waits = Counter(
+            "prefix_router_prefill_waits",
+            "Requests held while another request prefilled their prefix, by outcome (ready, timeout).",
+            ["outcome"],
+            registry=registry,
+        )
         self.client_disconnects = Counter(
             "prefix_router_client_disconnects",
             "Requests whose client went away before the response ended.",

@@ -127,6 +127,8 @@ class Proxy:
         self._active = 0
         self._retrying = 0
         self._urls: dict[str, tuple[str, str, int]] = {}
+        self._prefill_wait_s = settings.routing.prefill_wait_s
+        self._prefills: dict[int, asyncio.Event] = {}  # prefill ticket -> set at its first byte
 
     @property
     def active_requests(self) -> int:
@@ -235,15 +237,23 @@ class Proxy:
     # -- placement -----------------------------------------------------------------------------
 
     async def _choose(self, key: RoutingKey, exclude: list[str]) -> Decision:
-        """A decision within the bound, waiting (bounded) while every backend is at max_inflight."""
+        """A decision within the bound, waiting (bounded) while every backend is at max_inflight,
+        and (bounded) while another request prefills this one's prefix on the chosen backend."""
         balancing = self._settings.balancing
         loop = asyncio.get_running_loop()
         deadline = loop.time() + balancing.queue_timeout_s
+        wait = self._prefill_wait_s > 0 and not exclude
         while True:
             candidates = self._backends.candidates_now(self._rng)
-            decision = self._picker.pick(key, self._backends.ring, candidates, self._backends.load, exclude)
+            decision = self._picker.pick(
+                key, self._backends.ring, candidates, self._backends.load, exclude, wait=wait
+            )
             if decision is None:
                 raise NoBackend("no healthy backend is available")
+            if decision.wait_for is not None:
+                wait = False  # once: after it, the index knows where the prefix went
+                await self._wait_for_prefill(decision.wait_for)
+                continue
             if self._backends.load.load(decision.backend_id) < balancing.max_inflight:
                 return decision
             left = deadline - loop.time()
@@ -252,6 +262,34 @@ class Proxy:
                     f"every backend is at its limit of {balancing.max_inflight} requests in flight",
                     retry_after_s=1,
                 )
+
+    async def _wait_for_prefill(self, ticket: int) -> None:
+        event = self._prefills.get(ticket)
+        if event is None:
+            return
+        try:
+            async with asyncio.timeout(self._prefill_wait_s):
+                await event.wait()
+            self._metrics.prefill_waits.labels("ready").inc()
+        except TimeoutError:
+            self._metrics.prefill_waits.labels("timeout").inc()
+
+    def _start_prefill(self, key: RoutingKey, backend: str) -> int | None:
+        if self._prefill_wait_s <= 0:
+            return None
+        ticket = self._picker.prefill_started(key, backend)
+        if ticket is not None:
+            self._prefills[ticket] = asyncio.Event()
+        return ticket
+
+    def _end_prefill(self, ticket: int | None) -> None:
+        """The first byte arrived (or the attempt ended): release whoever waits on this prefill."""
+        if ticket is None:
+            return
+        event = self._prefills.pop(ticket, None)
+        if event is not None:
+            self._picker.prefill_done(ticket)
+            event.set()
 
     def _release(self, lease: Lease) -> None:
         if lease.released:
@@ -313,6 +351,7 @@ class Proxy:
             lease = self._backends.load.acquire(backend)
             if retrying:
                 self._retrying += 1
+            prefill = self._start_prefill(key, backend)
             started = time.perf_counter()
             try:
                 try:
@@ -342,9 +381,10 @@ class Proxy:
                 self._backends.record_success(backend, probe=False)
                 if resp.status < 400:
                     self._picker.placed(key, backend)
-                await self._stream(send, resp, backend, branch, started)
+                await self._stream(send, resp, backend, branch, started, prefill)
                 return
             finally:
+                self._end_prefill(prefill)
                 if retrying:
                     self._retrying -= 1
                 self._release(lease)
@@ -354,7 +394,13 @@ class Proxy:
         return any(b not in tried for b in members)
 
     async def _stream(
-        self, send: Any, resp: UpstreamResponse, backend: str, branch: Branch, started: float
+        self,
+        send: Any,
+        resp: UpstreamResponse,
+        backend: str,
+        branch: Branch,
+        started: float,
+        prefill: int | None = None,
     ) -> None:
         """Relay the response as it arrives; on any exit but the end, drop the upstream connection."""
         series = self._metrics.backend(backend)
@@ -376,6 +422,7 @@ class Proxy:
                     return
                 if first:
                     series.ttfb.observe(time.perf_counter() - started)
+                    self._end_prefill(prefill)
                     first = False
                 if not chunk:
                     break

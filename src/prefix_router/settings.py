@@ -126,6 +126,9 @@ class RoutingSettings(_Section):
     prefix_index_entries: int = Field(200_000, ge=1)  # ~40 MB at most
     block_bytes: int = Field(256, ge=16)  # prefix-index granularity at the start of the key
     max_key_bytes: int = Field(262_144, ge=256)  # how deep the prefix index looks into a body
+    # Hold a streaming request whose prefix another request is prefilling on its backend right now,
+    # up to this long, so it finds the prefix cached (0: off). See routing/prefill.py.
+    prefill_wait_s: float = Field(5.0, ge=0)
     set_cache_salt: bool = False  # set vLLM's cache_salt from the tenant, overwriting the client's
     cache_salt_secret: SecretStr | None = None  # key of the keyed hash that makes the salt
 

@@ -76,3 +76,38 @@ async def test_many_aborted_streams_leak_nothing(fake_backends, router) -> None:
 async def _metrics(url: str) -> str:
     async with aiohttp.ClientSession() as s, s.get(f"{url}/metrics") as resp:
         return await resp.text()
+
+
+async def test_second_stream_for_a_prefix_in_prefill_waits_for_its_first_byte(fake_backends, router) -> None:
+    """Two streams for one new prefix sent together: the second reaches the backend only after the
+    first one's first byte, so an engine would find the prefix cached."""
+    backends = await fake_backends(4)
+    for b in backends:
+        b.first_chunk_delay_s = 0.5  # a prefill
+    r = await router(router_settings(backends))
+    system = "a long shared system prompt " * 60
+
+    def body(q: str) -> dict[str, object]:
+        return {
+            "model": "m",
+            "stream": True,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": q}],
+        }
+
+    async with aiohttp.ClientSession() as s:
+
+        async def one(q: str) -> tuple[str, bytes]:
+            async with s.post(f"{r.url}/stream?n=2", json=body(q)) as resp:
+                return resp.headers["x-prefix-router-backend"], await resp.read()
+
+        first = asyncio.create_task(one("first question"))
+        await eventually(lambda: sum(len(b.seen) for b in backends) == 1)
+        second = asyncio.create_task(one("second question"))
+        await asyncio.sleep(0.2)
+        assert sum(len(b.seen) for b in backends) == 1, "held while the first prefills"
+        (home1, _), (home2, _) = await asyncio.gather(first, second)
+    assert home1 == home2
+    home = next(b for b in backends if b.url == home1)
+    assert home.seen[1].at - home.first_chunk_at[0] >= 0, "sent after the first one's first byte"
+    async with aiohttp.ClientSession() as s, s.get(f"{r.url}/metrics") as m:
+        assert 'prefix_router_prefill_waits_total{outcome="ready"} 1.0' in await m.text()

@@ -11,7 +11,7 @@ request: anything unexpected falls back to raw bytes.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -43,6 +43,8 @@ class RoutingKey:
     source: KeySource
     model: str | None
     tenant: str | None  # the header's value, else the body's prompt_cache_key when trusted
+    # The body asks for a stream ("stream": true): how the request is answered, not where it goes.
+    streaming: bool = field(default=False, compare=False)
 
 
 def extract_key(path: str, body: bytes, tenant: str | None, config: KeyConfig) -> RoutingKey:
@@ -58,10 +60,11 @@ def extract_key(path: str, body: bytes, tenant: str | None, config: KeyConfig) -
     model = doc.get("model") if isinstance(doc, dict) else None
     if not isinstance(model, str):
         model = None
+    streaming = isinstance(doc, dict) and doc.get("stream") is True
     if tenant is None and config.tenant_body_field and isinstance(doc, dict):
-        field = doc.get(config.tenant_body_field)
-        if isinstance(field, str):
-            tenant = field
+        tenant_field = doc.get(config.tenant_body_field)
+        if isinstance(tenant_field, str):
+            tenant = tenant_field
 
     use_openai = config.mode is KeyMode.OPENAI or (config.mode is KeyMode.AUTO and path in OPENAI_PATHS)
     if use_openai and isinstance(doc, dict):
@@ -72,26 +75,34 @@ def extract_key(path: str, body: bytes, tenant: str | None, config: KeyConfig) -
         if text:
             material = text[: config.prefix_chars].encode("utf-8", "surrogatepass")
             full = text.encode("utf-8", "surrogatepass")[: config.max_key_bytes]
-            return _key(KeySource.OPENAI, material, full, tenant, model, config)
+            return _key(KeySource.OPENAI, material, full, tenant, model, config, streaming)
 
     if parsed:
         try:
             canon = canonical_prompt(doc) or canonical_bytes(doc)
-            return _key(KeySource.NATIVE, canon[: config.prefix_bytes], canon, tenant, model, config)
+            return _key(
+                KeySource.NATIVE, canon[: config.prefix_bytes], canon, tenant, model, config, streaming
+            )
         except NotCanonicalisable:
             pass
     return _key(KeySource.RAW, body[: config.prefix_bytes], body, tenant, model, config)
 
 
 def _key(
-    source: KeySource, material: bytes, full: bytes, tenant: str | None, model: str | None, config: KeyConfig
+    source: KeySource,
+    material: bytes,
+    full: bytes,
+    tenant: str | None,
+    model: str | None,
+    config: KeyConfig,
+    streaming: bool = False,
 ) -> RoutingKey:
     tenant_b = b"" if tenant is None else tenant.encode("utf-8", "surrogatepass")
     model_b = b"" if model is None else model.encode("utf-8", "surrogatepass")
     root = encode_parts(tenant_b, model_b)
     ring = hash_parts(tenant_b, model_b, material)
     blocks = prefix_hashes(root, full, block_ends(config.block_bytes, config.max_key_bytes))
-    return RoutingKey(ring_hash=ring, blocks=tuple(blocks), source=source, model=model, tenant=tenant)
+    return RoutingKey(ring, tuple(blocks), source, model, tenant, streaming)
 
 
 @functools.lru_cache(maxsize=8)
@@ -144,8 +155,8 @@ def _append_message(parts: list[str], message: Any) -> None:
     if isinstance(name, str):
         parts.append(name + _FIELD)
     _append_content(parts, message.get("content"))
-    for field in ("tool_calls", "function_call"):
-        value = message.get(field)
+    for call_field in ("tool_calls", "function_call"):
+        value = message.get(call_field)
         if value is not None:
             parts.append(_FIELD + _json_text(value))
     tool_call_id = message.get("tool_call_id")

@@ -17,6 +17,7 @@ from enum import StrEnum
 from prefix_router.routing.config import BalanceConfig, Policy
 from prefix_router.routing.keys import RoutingKey
 from prefix_router.routing.load import LoadTracker, load_ok
+from prefix_router.routing.prefill import PendingPrefills
 from prefix_router.routing.prefix_index import PrefixIndex
 from prefix_router.routing.ring import HashRing
 
@@ -50,16 +51,18 @@ class Candidates:
 class Decision:
     backend_id: str
     branch: Branch
+    wait_for: int | None = None  # a prefill ticket: the backend is computing this prefix right now
 
 
 class Picker:
     """Holds what a policy remembers between requests (index, round-robin cursor, rng); no I/O."""
 
-    __slots__ = ("_config", "_cursor", "_index", "_rng")
+    __slots__ = ("_config", "_cursor", "_index", "_prefills", "_rng")
 
     def __init__(self, config: BalanceConfig, rng: random.Random | None = None) -> None:
         self._config = config
         self._index = PrefixIndex(config.prefix_index_entries) if config.prefix_index else None
+        self._prefills = PendingPrefills()
         self._rng = rng or random.Random()
         self._cursor = 0
 
@@ -74,8 +77,13 @@ class Picker:
         candidates: Candidates,
         load: LoadTracker,
         exclude: Collection[str] = (),
+        wait: bool = False,
     ) -> Decision | None:
-        """A backend among `candidates` not in `exclude`; None when there is none."""
+        """A backend among `candidates` not in `exclude`; None when there is none.
+
+        With `wait`, a request whose longest prefix another request is prefilling right now gets
+        that backend and the prefill's ticket, to wait on before it is sent.
+        """
         usable = candidates.without(exclude) if exclude else candidates
         if not usable.ids:
             return None
@@ -87,10 +95,10 @@ class Picker:
             return Decision(usable.ids[self._cursor % len(usable.ids)], Branch.BALANCED)
         if policy is Policy.LEAST_LOADED:
             return Decision(_least_loaded(usable.ids, load, ring, key.ring_hash), Branch.BALANCED)
-        return self._pick_prefix(key, ring, usable, load)
+        return self._pick_prefix(key, ring, usable, load, wait)
 
     def _pick_prefix(
-        self, key: RoutingKey, ring: HashRing, usable: Candidates, load: LoadTracker
+        self, key: RoutingKey, ring: HashRing, usable: Candidates, load: LoadTracker, wait: bool
     ) -> Decision:
         cfg = self._config
         usable_set = usable.members
@@ -106,7 +114,11 @@ class Picker:
             # Owners in the order they took the prefix: the first holder keeps it while it is within
             # the bound, so one spill does not rotate a group over the fleet (each cache would then
             # have to hold every group).
-            _, owners = self._index.longest_match(key.blocks)
+            known, owners = self._index.longest_match(key.blocks)
+            if wait:
+                pending = self._prefills.deepest(key.blocks, known)
+                if pending is not None and pending[1] in usable_set and fits(pending[1]):
+                    return Decision(pending[1], Branch.PREFIX_MATCH, wait_for=pending[2])
             for owner in owners:
                 if owner in usable_set and fits(owner):
                     return Decision(owner, Branch.PREFIX_MATCH)
@@ -123,6 +135,15 @@ class Picker:
         """Learn from a placement that reached the backend."""
         if self._index is not None and key.blocks:
             self._index.record(key.blocks, backend_id)
+
+    def prefill_started(self, key: RoutingKey, backend_id: str) -> int | None:
+        """A streaming request is being sent: its new blocks are pending until prefill_done."""
+        if self._index is None or not key.streaming or not key.blocks:
+            return None
+        return self._prefills.start(key.blocks, backend_id)
+
+    def prefill_done(self, ticket: int) -> None:
+        self._prefills.done(ticket)
 
     def forget(self, backend_id: str) -> None:
         if self._index is not None:

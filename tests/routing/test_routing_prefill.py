@@ -1,0 +1,88 @@
+"""Pending prefills: who is computing which prefix now, and the picker's wait decision."""
+
+from __future__ import annotations
+
+from prefix_router.routing.config import BalanceConfig, KeyConfig
+from prefix_router.routing.keys import RoutingKey, extract_key
+from prefix_router.routing.load import LoadTracker
+from prefix_router.routing.picker import Branch, Candidates, Picker
+from prefix_router.routing.prefill import PendingPrefills
+from prefix_router.routing.ring import HashRing, Member
+
+IDS = [f"http://10.0.3.{i}:8000" for i in range(4)]
+RING = HashRing([Member(b) for b in IDS], 64)
+ALL = Candidates.of(IDS)
+
+
+def chat_key(system: str, user: str, stream: bool = True) -> RoutingKey:
+    import orjson
+
+    body = orjson.dumps(
+        {
+            "model": "m",
+            "stream": stream,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+        }
+    )
+    return extract_key("/v1/chat/completions", body, None, KeyConfig())
+
+
+def test_start_claims_only_unclaimed_blocks_and_done_releases_them() -> None:
+    pending = PendingPrefills()
+    first = pending.start([1, 2, 3], "a")
+    assert first is not None
+    assert pending.start([1, 2], "b") is None, "nothing new to claim"
+    second = pending.start([1, 2, 3, 4], "b")
+    assert second is not None
+    assert pending.deepest([1, 2, 3, 4], 0) == (4, "b", second)
+    assert pending.deepest([1, 2, 3], 0) == (3, "a", first)
+    assert pending.deepest([1, 2, 3], 3) is None, "only blocks past what the index already knows"
+    pending.done(first)
+    assert pending.deepest([1, 2, 3], 0) is None
+    assert pending.deepest([1, 2, 3, 4], 0) == (4, "b", second)
+    pending.done(second)
+    pending.done(second)  # idempotent
+    assert len(pending) == 0
+
+
+def test_second_request_for_a_prefix_in_prefill_waits_on_it() -> None:
+    picker = Picker(BalanceConfig())
+    load = LoadTracker()
+    system = "a long shared system prompt " * 40
+    first = chat_key(system, "question one")
+    decision = picker.pick(first, RING, ALL, load, wait=True)
+    assert decision is not None and decision.wait_for is None
+    ticket = picker.prefill_started(first, decision.backend_id)
+    assert ticket is not None
+
+    second = chat_key(system, "question two")
+    held = picker.pick(second, RING, ALL, load, wait=True)
+    assert held is not None
+    assert (held.backend_id, held.branch, held.wait_for) == (decision.backend_id, Branch.PREFIX_MATCH, ticket)
+    assert picker.pick(second, RING, ALL, load, wait=False).wait_for is None  # type: ignore[union-attr]
+
+    picker.placed(first, decision.backend_id)
+    picker.prefill_done(ticket)
+    after = picker.pick(second, RING, ALL, load, wait=True)
+    assert after is not None and after.wait_for is None
+    assert after.backend_id == decision.backend_id, "then it goes where the prefix is now cached"
+
+
+def test_non_streaming_requests_open_no_prefill() -> None:
+    picker = Picker(BalanceConfig())
+    key = chat_key("system " * 100, "q", stream=False)
+    assert picker.prefill_started(key, IDS[0]) is None
+
+
+def test_no_wait_when_the_prefilling_backend_is_full() -> None:
+    picker = Picker(BalanceConfig(max_inflight=2))
+    load = LoadTracker()
+    system = "shared " * 200
+    first = chat_key(system, "1")
+    decision = picker.pick(first, RING, ALL, load, wait=True)
+    assert decision is not None
+    assert picker.prefill_started(first, decision.backend_id) is not None
+    for _ in range(2):
+        load.acquire(decision.backend_id)
+    held = picker.pick(chat_key(system, "2"), RING, ALL, load, wait=True)
+    assert held is not None and held.wait_for is None and held.backend_id != decision.backend_id
