@@ -141,7 +141,13 @@ class RouterApp:
             await send({"type": "lifespan.startup.failed", "message": str(exc)})
             return
         await send({"type": "lifespan.startup.complete"})
-        message = await receive()
+        try:
+            message = await receive()
+        except asyncio.CancelledError:
+            # A forced exit (second signal) cancels the lifespan instead of ending it: close what
+            # we own and finish quietly, rather than as an "Exception in 'lifespan' protocol".
+            await self.stop()
+            return
         await self.stop()
         await send({"type": "lifespan.shutdown.complete"})
 
