@@ -13,9 +13,13 @@ llm-d-inference-sim example figure; a cold 2k-token prefix costs ~0.5 s, a warm 
 cache that fits ~2x a fair share of the workload's prefixes plus the running prompts, and
 max_num_seqs 8, so a backend given more than its share queues and its TTFT shows it.
 
-    python benchmarks/routing_quality.py            # default: ~17 minutes on 2 cores (90 runs), more if busy
+    python benchmarks/routing_quality.py            # default: ~19 minutes on 2 cores (100 runs), more if busy
     python benchmarks/routing_quality.py --quick    # about half that
     python benchmarks/routing_quality.py --workloads long_context --policies prefix --closed-only
+    # the fleet listens on fixed ports (18600..), so every run has the same ring layout; another
+    # --base-port is another layout, --base-port 0 a random one per workload
+    python benchmarks/routing_quality.py --workloads shared_prefix --policies prefix prefix_nohold \
+        --closed-only --base-port 19600
     # real vLLM: no oracle; every (policy, mode) run gets its own workload seed so it cannot hit what an
     # earlier run cached, and --reset-url-path empties the caches too (vLLM needs VLLM_SERVER_DEV_MODE=1);
     # --prompt-scale 0.25 shrinks every prompt for a small model's context window
@@ -67,6 +71,9 @@ from prefix_router.sim.workloads import (
 RESULTS_DIR = Path(__file__).parent / "results"
 MAX_NUM_SEQS = 8  # per simulated backend; the router's max_inflight is twice this
 ROUTER_MAX_INFLIGHT = 16
+# The sim fleet listens on DEFAULT_BASE_PORT, +1, ...: the router hashes backend URLs onto its ring, so
+# fixed ports give every run and policy the same ring layout (random ports made single runs noisy).
+DEFAULT_BASE_PORT = 18600
 
 
 @dataclass(frozen=True)
@@ -82,11 +89,14 @@ POLICIES: tuple[PolicySpec, ...] = (
     PolicySpec("round_robin", {"balancing": {"policy": "round_robin"}}),
     PolicySpec("least_loaded", {"balancing": {"policy": "least_loaded"}}),
     PolicySpec("prefix_nospill", {"balancing": {"policy": "prefix", "spill": False}}),
-    PolicySpec("prefix", {"balancing": {"policy": "prefix"}}),
+    PolicySpec("prefix", {"balancing": {"policy": "prefix"}}),  # the router's defaults: prefill hold on
+    # The prefill hold off (routing.prefill_wait_s 0), to isolate its effect.
+    PolicySpec("prefix_nohold", {"balancing": {"policy": "prefix"}, "routing": {"prefill_wait_s": 0}}),
     PolicySpec("prefix_ring", {"balancing": {"policy": "prefix"}, "routing": {"prefix_index": False}}),
     # A settings experiment, not a default: a looser bound (c = 2) spills less at small in-flight counts.
     PolicySpec("prefix_c2", {"balancing": {"policy": "prefix", "load_factor": 2.0}}),
 )
+HOLD_OFF = frozenset(p.name for p in POLICIES if p.settings.get("routing", {}).get("prefill_wait_s", 1) == 0)
 SGLANG = PolicySpec("sglang_cache_aware", {}, sglang=True)
 # A reference, not a router: every group on one backend, groups balanced by their (known) request
 # counts. Under the same concurrency it shows what the serial oracle cannot: prompts that start while
@@ -173,6 +183,26 @@ def fleet_config(spec: WorkloadSpec, backends: int) -> SimConfig:
 
 
 # -- routers as subprocesses ---------------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def sim_fleet(config: SimConfig, count: int, base_port: int) -> AsyncIterator[SimFleet]:
+    """The sim fleet on base_port.. (one ring layout for every run); ephemeral ports, with a warning,
+    when one of them is busy (or base_port is 0)."""
+    fleet = SimFleet(config, count=count, base_port=base_port)
+    try:
+        await fleet.start()
+    except OSError as exc:
+        if not base_port:
+            raise
+        print(f"WARNING: ports {base_port}..{base_port + count - 1} unavailable ({exc}); the fleet takes "
+              "ephemeral ports, so this run's ring layout differs from other runs'", flush=True)  # fmt: skip
+        fleet = SimFleet(config, count=count, base_port=0)
+        await fleet.start()
+    try:
+        yield fleet
+    finally:
+        await fleet.stop()
 
 
 def free_port() -> int:
@@ -288,7 +318,8 @@ async def run_cell(
             max_duration_s=args.open_duration,
             oracle_hit_rate=oracle,
         )
-        extra = {"workload_seed": workload.params.get("seed"), "workload_params": workload.params}
+        extra = {"workload_seed": workload.params.get("seed"), "workload_params": workload.params,
+                 "backend_urls": urls}  # fmt: skip
         return Cell(
             workload.name, policy.name, mode, summary, "(no router: static balanced placement)", extra
         )
@@ -302,7 +333,8 @@ async def run_cell(
             max_duration_s=args.open_duration,
             oracle_hit_rate=oracle,
         )
-    extra = {"workload_seed": workload.params.get("seed"), "workload_params": workload.params}
+    extra = {"workload_seed": workload.params.get("seed"), "workload_params": workload.params,
+             "backend_urls": urls}  # fmt: skip
     return Cell(workload.name, policy.name, mode, summary, shlex.join(cmd), extra)
 
 
@@ -320,10 +352,20 @@ def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v * 1000:.0f}"
 
 
+def _holds(cell: Cell) -> str:
+    """prefix_router_prefill_waits_total over the run: ready/timeout ('-' when the hold is off or the
+    endpoint is not our router)."""
+    s = cell.summary
+    if s.overflow_share is None or cell.policy in HOLD_OFF:
+        return "-"
+    return f"{s.prefill_waits.get('ready', 0):.0f}/{s.prefill_waits.get('timeout', 0):.0f}"
+
+
 def markdown_table(cells: list[Cell]) -> str:
     head = (
         "| workload | mode | policy | hit rate | oracle | hit/oracle | TTFT p50 ms | TTFT p99 ms | req/s "
-        "| max/mean load | peak in-flight | overflow | sticky min | sticky mean | spread | errors |"
+        "| max/mean load | peak in-flight | overflow | holds ready/timeout | sticky min | sticky mean "
+        "| spread | errors |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for c in cells:
@@ -333,6 +375,7 @@ def markdown_table(cells: list[Cell]) -> str:
             f"| {c.workload} | {c.mode} | {c.policy} | {s.hit_rate:.1%} | {_pct(s.oracle_hit_rate)} "
             f"| {_pct(s.oracle_ratio)} | {_ms(s.ttft_p50_s)} | {_ms(s.ttft_p99_s)} | {s.throughput_rps:.1f} "
             f"| {s.max_mean_load:.2f} | {'-' if peak is None else peak} | {_pct(s.overflow_share)} "
+            f"| {_holds(c)} "
             f"| {_pct(s.tenant_stickiness_min)} | {_pct(s.tenant_stickiness_mean)} | {_pct(s.tenant_spread)} "
             f"| {s.errors} |"
         )
@@ -433,6 +476,29 @@ def check_targets(cells: list[Cell]) -> list[str]:
         verdict((ours.tenant_spread or 0) >= 0.99 and ours.max_mean_load <= 1.5,
                 f"tenants: the pairs' top backends cover {ours.tenant_spread:.0%} of the fleet, max/mean "
                 f"load {ours.max_mean_load:.2f}")  # fmt: skip
+    out += hold_effect(cells)
+    return out
+
+
+def hold_effect(cells: list[Cell]) -> list[str]:
+    """prefix (prefill hold on) against prefix_nohold, per workload and mode: not targets, context."""
+    out: list[str] = []
+    for c in cells:
+        if c.policy != "prefix":
+            continue
+        off = next((o.summary for o in cells if o.policy == "prefix_nohold" and o.workload == c.workload
+                    and o.mode == c.mode), None)  # fmt: skip
+        if off is None:
+            continue
+        on = c.summary
+        gain = (on.hit_rate - off.hit_rate) * 100
+        out.append(
+            f"- [hold] {c.workload} {c.mode}: hit {on.hit_rate:.1%} vs {off.hit_rate:.1%} without the hold "
+            f"({gain:+.1f} pt; {_pct(on.oracle_ratio)} vs {_pct(off.oracle_ratio)} of oracle), "
+            f"TTFT p50 {_ms(on.ttft_p50_s)} vs {_ms(off.ttft_p50_s)} ms, "
+            f"p99 {_ms(on.ttft_p99_s)} vs {_ms(off.ttft_p99_s)} ms, "
+            f"{on.throughput_rps:.1f} vs {off.throughput_rps:.1f} req/s; holds ready/timeout {_holds(c)}"
+        )
     return out
 
 
@@ -515,13 +581,13 @@ async def run_workload(
         cfg = None
     else:
         cfg = fleet_config(spec, args.fleet)
-        fleet_ctx = SimFleet(cfg, count=args.fleet)
+        fleet_ctx = sim_fleet(cfg, args.fleet, args.base_port)
     async with fleet_ctx as fleet:
         if fleet is not None:
             urls = fleet.urls
             total = cfg.capacity_blocks * args.fleet if cfg else None
             oracle = oracle_hit_rate(spec.workload, block_size=16, capacity_blocks=total).hit_rate
-            print(f"\n== {name}: {spec.workload.description}; {args.fleet} sim backends, "
+            print(f"\n== {name}: {spec.workload.description}; {args.fleet} sim backends {urls}, "
                   f"{cfg.capacity_blocks if cfg else '?'} KV blocks each, max_num_seqs {MAX_NUM_SEQS}; "
                   f"oracle {oracle:.1%}", flush=True)  # fmt: skip
         for mode in modes:
@@ -553,7 +619,7 @@ def reproduce_command(args: argparse.Namespace, workload: str, policy: str, mode
         if args.reset_url_path:
             cmd += ["--reset-url-path", args.reset_url_path]
     else:
-        cmd += ["--fleet", str(args.fleet)]
+        cmd += ["--fleet", str(args.fleet), "--base-port", str(args.base_port)]
     return shlex.join(cmd)
 
 
@@ -579,6 +645,11 @@ def main() -> int:
     parser.add_argument(
         "--model", default=DEFAULT_MODEL, help="the model name the requests carry (default: %(default)s)"
     )
+    parser.add_argument(
+        "--base-port", type=int, default=DEFAULT_BASE_PORT,
+        help="the sim fleet listens on this port and the next ones, so the ring layout is the same in "
+        "every run; 0: ephemeral ports (a different layout each time) (default: %(default)s)",
+    )  # fmt: skip
     parser.add_argument("--workloads", nargs="+", help="only these workloads")
     parser.add_argument(
         "--policies", nargs="+",

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import importlib.util
+import socket
+import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
+from types import ModuleType
 
 import pytest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from prefix_router.sim.config import SimConfig
 from prefix_router.sim.fleet import SimFleet
@@ -17,6 +23,7 @@ from prefix_router.sim.loadgen import (
     client_session,
     fetch_vllm_counters,
     measure,
+    parse_router_counters,
     quantile,
     reset_sim,
     run_open_loop,
@@ -167,3 +174,77 @@ async def test_routes_send_each_group_to_its_backend(fleet: SimFleet) -> None:
     assert all(r.backend == routes[r.group] for r in results)
     assert summary.backend_share == {fleet.urls[0]: 0.5, fleet.urls[1]: 0.5}
     assert summary.overflow_share is None  # no router answered /metrics with decisions
+
+
+def test_router_counters_read_decisions_and_prefill_holds_and_the_summary_diffs_them() -> None:
+    registry = CollectorRegistry()
+    decisions = Counter("prefix_router_decisions", "d", ["branch"], registry=registry)
+    waits = Counter("prefix_router_prefill_waits", "w", ["outcome"], registry=registry)
+    decisions.labels("affinity").inc(5)
+    waits.labels("ready").inc(3)
+    waits.labels("timeout").inc(1)
+    counters = parse_router_counters(generate_latest(registry).decode())
+    assert counters.decisions == {"affinity": 5.0}
+    assert counters.prefill_waits == {"ready": 3.0, "timeout": 1.0}
+    assert parse_router_counters("").prefill_waits == {}  # not our router (or no hold yet)
+    before = {"a": BackendCounters(0, 0, 0, 0)}
+    after = {"a": BackendCounters(10, 5, 2, 1)}
+    s = summarise(
+        [], before, after, wall_s=1.0,
+        prefill_waits_before={"ready": 1.0, "timeout": 1.0}, prefill_waits_after=counters.prefill_waits,
+    )  # fmt: skip
+    assert s.prefill_waits == {"ready": 2.0}  # no new timeout: left out, as branches are
+
+
+def _routing_quality() -> ModuleType:
+    path = Path(__file__).parents[2] / "benchmarks" / "routing_quality.py"
+    spec = importlib.util.spec_from_file_location("routing_quality_under_test", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module's annotations through it
+    spec.loader.exec_module(module)
+    return module
+
+
+def _free_run(count: int) -> int:
+    """A base port with `count` free ports from it (best effort: free when probed)."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = int(probe.getsockname()[1])
+        if base + count > 65535:
+            continue
+        try:
+            for port in range(base, base + count):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    pytest.skip("no run of free ports")
+
+
+async def test_benchmark_fleet_takes_fixed_ports_and_falls_back_to_ephemeral_when_busy(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    rq = _routing_quality()
+    base = _free_run(2)
+    fixed = [f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"]
+    async with rq.sim_fleet(FAST, 2, base) as fleet:
+        assert fleet.urls == fixed
+        # The same ports again while they are taken: ephemeral ones, with a warning.
+        async with rq.sim_fleet(FAST, 2, base) as other:
+            ports = [int(u.rsplit(":", 1)[1]) for u in other.urls]
+            assert not set(ports) & {base, base + 1}
+        assert "WARNING" in capsys.readouterr().out
+    # Released: the next fleet (the next workload) gets the same layout back.
+    async with rq.sim_fleet(FAST, 2, base) as again:
+        assert again.urls == fixed
+
+
+def test_benchmark_default_prefix_row_holds_and_nohold_turns_it_off() -> None:
+    rq = _routing_quality()
+    by_name = {p.name: p for p in rq.POLICIES}
+    assert "prefill_wait_s" not in by_name["prefix"].settings.get("routing", {})  # the router default
+    assert by_name["prefix_nohold"].settings["routing"]["prefill_wait_s"] == 0
+    assert set(rq.HOLD_OFF) == {"prefix_nohold"}

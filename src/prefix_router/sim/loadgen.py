@@ -287,20 +287,46 @@ def prometheus_totals(text: str, label: str | None = None) -> dict[str, float]:
 
 async def fetch_router_decisions(session: aiohttp.ClientSession, router_url: str) -> dict[str, float]:
     """prefix_router_decisions_total by branch; {} when the endpoint is not our router."""
+    return (await fetch_router_counters(session, router_url)).decisions
+
+
+@dataclass(frozen=True, slots=True)
+class RouterCounters:
+    """Our router's cumulative counters at one moment (empty when the endpoint is not our router)."""
+
+    decisions: dict[str, float] = field(default_factory=dict)  # prefix_router_decisions_total by branch
+    prefill_waits: dict[str, float] = field(default_factory=dict)  # ..._prefill_waits_total by outcome
+
+
+def parse_router_counters(text: str) -> RouterCounters:
+    counters = RouterCounters()
+    wanted = {
+        "prefix_router_decisions_total": ("branch", counters.decisions),
+        "prefix_router_prefill_waits_total": ("outcome", counters.prefill_waits),
+    }
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in wanted:
+                label, into = wanted[sample.name]
+                into[sample.labels[label]] = sample.value
+    return counters
+
+
+async def fetch_router_counters(session: aiohttp.ClientSession, router_url: str) -> RouterCounters:
+    """Decisions by branch and prefill holds by outcome from the router's /metrics."""
     try:
         async with session.get(f"{router_url}/metrics") as resp:
             if resp.status != 200:
-                return {}
+                return RouterCounters()
             text = await resp.text()
     except aiohttp.ClientError:
-        return {}
-    decisions: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        if family.name == "prefix_router_decisions":
-            for sample in family.samples:
-                if sample.name == "prefix_router_decisions_total":
-                    decisions[sample.labels["branch"]] = sample.value
-    return decisions
+        return RouterCounters()
+    return parse_router_counters(text)
+
+
+def _diff(before: Mapping[str, float] | None, after: Mapping[str, float]) -> dict[str, float]:
+    base = before or {}
+    return {k: v - base.get(k, 0.0) for k, v in after.items() if v - base.get(k, 0.0) > 0}
 
 
 async def reset_sim(session: aiohttp.ClientSession, urls: Sequence[str]) -> None:
@@ -335,6 +361,8 @@ class RunSummary:
     peak_inflight: dict[str, int]  # high-water mark of running + waiting per backend (sim only)
     overflow_share: float | None  # decisions on overflow or fallback branches / all (our router only)
     branches: dict[str, float] = field(default_factory=dict)
+    # Requests our router held while another prefilled their prefix, by outcome (ready | timeout).
+    prefill_waits: dict[str, float] = field(default_factory=dict)
     # Over (tenant, group) pairs of tenant-tagged requests (the router keys on tenant + prefix, so a
     # pair is one placement): the share of a pair's requests on its most-used backend, min and mean.
     tenant_stickiness_min: float | None = None
@@ -372,6 +400,8 @@ def summarise(
     oracle_hit_rate: float | None = None,
     decisions_before: dict[str, float] | None = None,
     decisions_after: dict[str, float] | None = None,
+    prefill_waits_before: dict[str, float] | None = None,
+    prefill_waits_after: dict[str, float] | None = None,
 ) -> RunSummary:
     queries = sum(after[u].queries_tokens - before[u].queries_tokens for u in after)
     hits = sum(after[u].hits_tokens - before[u].hits_tokens for u in after)
@@ -387,8 +417,7 @@ def summarise(
     branches: dict[str, float] = {}
     overflow: float | None = None
     if decisions_after:
-        base = decisions_before or {}
-        branches = {b: v - base.get(b, 0.0) for b, v in decisions_after.items() if v - base.get(b, 0.0) > 0}
+        branches = _diff(decisions_before, decisions_after)
         placed = sum(branches.values())
         overflow = (branches.get("overflow", 0.0) + branches.get("fallback", 0.0)) / placed if placed else 0.0
     errors = [r for r in results if not r.ok]
@@ -407,6 +436,7 @@ def summarise(
         peak_inflight={u: c.peak_inflight for u, c in after.items() if c.peak_inflight is not None},
         overflow_share=overflow,
         branches=branches,
+        prefill_waits=_diff(prefill_waits_before, prefill_waits_after or {}),
         first_error=errors[0].error if errors else None,
     )
     _add_stickiness(summary, results, len(after))
@@ -468,7 +498,7 @@ async def measure(
     elif target.reset_path and reset:
         await reset_backends(session, target.backend_urls, target.reset_path)
     before = await snapshot(session, target.backend_urls, sim=target.sim)
-    decisions_before = await fetch_router_decisions(session, target.base_url)
+    router_before = await fetch_router_counters(session, target.base_url)
     start = time.monotonic()
     if concurrency is not None:
         results = await run_closed_loop(
@@ -488,10 +518,11 @@ async def measure(
         raise ValueError("give concurrency (closed loop) or rate_per_s (open loop)")
     wall_s = time.monotonic() - start
     after = await snapshot(session, target.backend_urls, sim=target.sim)
-    decisions_after = await fetch_router_decisions(session, target.base_url)
+    router_after = await fetch_router_counters(session, target.base_url)
     summary = summarise(
         results, before, after, wall_s=wall_s, oracle_hit_rate=oracle_hit_rate,
-        decisions_before=decisions_before, decisions_after=decisions_after,
+        decisions_before=router_before.decisions, decisions_after=router_after.decisions,
+        prefill_waits_before=router_before.prefill_waits, prefill_waits_after=router_after.prefill_waits,
     )  # fmt: skip
     return summary, results
 
