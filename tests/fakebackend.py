@@ -126,9 +126,9 @@ class FakeBackend:
         reset_after = int(self.mode.split(":", 1)[1]) if self.mode.startswith("reset_after:") else None
         hang_after = int(request.query["hang_after"]) if "hang_after" in request.query else None
         resp = web.StreamResponse(headers={"content-type": "text/event-stream", "cache-control": "no-cache"})
+        await resp.prepare(request)  # headers at once, the first event after the "prefill", as vLLM does
         if self.first_chunk_delay_s:
             await asyncio.sleep(self.first_chunk_delay_s)
-        await resp.prepare(request)
         for i in range(n):
             if reset_after is not None and i == reset_after:
                 assert request.transport is not None

@@ -54,6 +54,7 @@ def test_second_request_for_a_prefix_in_prefill_waits_on_it() -> None:
     assert decision is not None and decision.wait_for is None
     ticket = picker.prefill_started(first, decision.backend_id)
     assert ticket is not None
+    picker.placed(first, decision.backend_id)  # its response head arrived: the index knows it already
 
     second = chat_key(system, "question two")
     held = picker.pick(second, RING, ALL, load, wait=True)
@@ -61,7 +62,6 @@ def test_second_request_for_a_prefix_in_prefill_waits_on_it() -> None:
     assert (held.backend_id, held.branch, held.wait_for) == (decision.backend_id, Branch.PREFIX_MATCH, ticket)
     assert picker.pick(second, RING, ALL, load, wait=False).wait_for is None  # type: ignore[union-attr]
 
-    picker.placed(first, decision.backend_id)
     picker.prefill_done(ticket)
     after = picker.pick(second, RING, ALL, load, wait=True)
     assert after is not None and after.wait_for is None
@@ -86,3 +86,17 @@ def test_no_wait_when_the_prefilling_backend_is_full() -> None:
         load.acquire(decision.backend_id)
     held = picker.pick(chat_key(system, "2"), RING, ALL, load, wait=True)
     assert held is not None and held.wait_for is None and held.backend_id != decision.backend_id
+
+
+def test_a_prefix_already_cached_is_not_claimed_by_a_new_question() -> None:
+    picker = Picker(BalanceConfig())
+    load = LoadTracker()
+    system = "a cached system prompt " * 40
+    warm = chat_key(system, "an earlier question")
+    picker.placed(warm, IDS[0])  # done long ago: the system prompt's blocks are cached on IDS[0]
+    first = chat_key(system, "a new question that is long enough to fill blocks of its own " * 8)
+    ticket = picker.prefill_started(first, IDS[0])
+    assert ticket is not None, "its own new blocks are pending"
+    other = chat_key(system, "another question")
+    decision = picker.pick(other, RING, ALL, load, wait=True)
+    assert decision is not None and decision.wait_for is None, "sharing only the cached part: no wait"

@@ -114,9 +114,11 @@ class Picker:
             # Owners in the order they took the prefix: the first holder keeps it while it is within
             # the bound, so one spill does not rotate a group over the fleet (each cache would then
             # have to hold every group).
-            known, owners = self._index.longest_match(key.blocks)
+            _, owners = self._index.longest_match(key.blocks)
             if wait:
-                pending = self._prefills.deepest(key.blocks, known)
+                # The index learns a placement at its response head, before the prefill is done,
+                # so pending blocks are looked for among the known ones too.
+                pending = self._prefills.deepest(key.blocks, 0)
                 if pending is not None and pending[1] in usable_set and fits(pending[1]):
                     return Decision(pending[1], Branch.PREFIX_MATCH, wait_for=pending[2])
             for owner in owners:
@@ -140,7 +142,10 @@ class Picker:
         """A streaming request is being sent: its new blocks are pending until prefill_done."""
         if self._index is None or not key.streaming or not key.blocks:
             return None
-        return self._prefills.start(key.blocks, backend_id)
+        # Only what no backend is known to hold yet is being computed: a cached system prompt
+        # followed by a new question must not hold requests that share only the system prompt.
+        known, _ = self._index.longest_match(key.blocks)
+        return self._prefills.start(key.blocks[known:], backend_id)
 
     def prefill_done(self, ticket: int) -> None:
         self._prefills.done(ticket)
