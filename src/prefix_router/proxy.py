@@ -8,18 +8,17 @@ turns it into an OpenAI-shaped error); once bytes have gone to the client, failu
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import hmac
 import random
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 from yarl import URL
 
+from prefix_router.admission import CapacityWaiters, PrefillEvents
 from prefix_router.backends import BackendSet
 from prefix_router.errors import (
     BackendOverloaded,
@@ -56,50 +55,6 @@ class _Flow:
     client_gone: bool = False
 
 
-class CapacityWaiters:
-    """A bounded FIFO of requests waiting for any backend to drop below max_inflight."""
-
-    __slots__ = ("_max", "_waiters")
-
-    def __init__(self, max_waiting: int) -> None:
-        self._max = max_waiting
-        self._waiters: deque[asyncio.Future[None]] = deque()
-
-    def __len__(self) -> int:
-        return len(self._waiters)
-
-    async def wait(self, timeout_s: float) -> bool:
-        """Wait for a release; False at once when the queue is full, or after the timeout."""
-        if len(self._waiters) >= self._max or timeout_s <= 0:
-            return False
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
-        try:
-            async with asyncio.timeout(timeout_s):
-                await fut
-            return True
-        except TimeoutError:
-            return False
-        finally:
-            if not fut.done():
-                fut.cancel()
-            with contextlib.suppress(ValueError):  # wake_one() already took it
-                self._waiters.remove(fut)
-
-    def wake_all(self) -> None:
-        while self._waiters:
-            fut = self._waiters.popleft()
-            if not fut.done():
-                fut.set_result(None)
-
-    def wake_one(self) -> None:
-        while self._waiters:
-            fut = self._waiters.popleft()
-            if not fut.done():
-                fut.set_result(None)
-                return
-
-
 class Proxy:
     def __init__(
         self,
@@ -128,7 +83,7 @@ class Proxy:
         self._retrying = 0
         self._urls: dict[str, tuple[str, str, int]] = {}
         self._prefill_wait_s = settings.routing.prefill_wait_s
-        self._prefills: dict[int, asyncio.Event] = {}  # prefill ticket -> set at its first byte
+        self._prefills = PrefillEvents()
 
     @property
     def active_requests(self) -> int:
@@ -264,32 +219,22 @@ class Proxy:
                 )
 
     async def _wait_for_prefill(self, ticket: int) -> None:
-        event = self._prefills.get(ticket)
-        if event is None:
-            return
-        try:
-            async with asyncio.timeout(self._prefill_wait_s):
-                await event.wait()
-            self._metrics.prefill_waits.labels("ready").inc()
-        except TimeoutError:
-            self._metrics.prefill_waits.labels("timeout").inc()
+        outcome = await self._prefills.wait(ticket, self._prefill_wait_s)
+        if outcome is not None:
+            self._metrics.prefill_waits.labels(outcome).inc()
 
     def _start_prefill(self, key: RoutingKey, backend: str) -> int | None:
         if self._prefill_wait_s <= 0:
             return None
         ticket = self._picker.prefill_started(key, backend)
         if ticket is not None:
-            self._prefills[ticket] = asyncio.Event()
+            self._prefills.open(ticket)
         return ticket
 
     def _end_prefill(self, ticket: int | None) -> None:
         """The first byte arrived (or the attempt ended): release whoever waits on this prefill."""
-        if ticket is None:
-            return
-        event = self._prefills.pop(ticket, None)
-        if event is not None:
+        if ticket is not None and self._prefills.close(ticket):
             self._picker.prefill_done(ticket)
-            event.set()
 
     def _release(self, lease: Lease) -> None:
         if lease.released:
