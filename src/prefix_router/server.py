@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import socket
@@ -47,6 +48,20 @@ def uvicorn_config(asgi: Any, s: ServerSettings, host: str, port: int, *, main: 
     )
 
 
+# Every proxied request allocates a few hundred objects; at CPython's default gen-0 threshold (700)
+# the collector ran several times per batch of requests. Measured with benchmarks/soak.py on this
+# machine: /healthz p99 during a 150k-request soak 55 -> 21 ms (main port), 22 -> 20 ms (metrics
+# port); --quick: 1,389 -> 1,731 req/s (one run each; the proxy_throughput figures did not move).
+GC_GEN0_THRESHOLD = 50_000
+
+
+def tune_gc() -> None:
+    """Freeze what start-up allocated (it lives for the process) and collect young objects less often."""
+    gc.freeze()
+    _, gen1, gen2 = gc.get_threshold()
+    gc.set_threshold(GC_GEN0_THRESHOLD, gen1, gen2)
+
+
 async def serve(app: RouterApp, sockets: list[socket.socket] | None = None) -> int:
     """Serve until SIGTERM/SIGINT; returns the process exit code."""
     s = app.settings.server
@@ -70,6 +85,7 @@ async def serve(app: RouterApp, sockets: list[socket.socket] | None = None) -> i
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
+    tune_gc()
     aux_tasks = [loop.create_task(server.serve()) for server in aux]
     try:
         await main.serve(sockets=sockets)
