@@ -12,7 +12,7 @@ import contextlib
 import hmac
 import logging
 import random
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -285,13 +285,3 @@ class RouterApp:
 def create_app(settings: Settings, *, rng: random.Random | None = None) -> RouterApp:
     """A fresh router: every test and every process builds its own."""
     return RouterApp(settings, rng=rng)
-
-
-@contextlib.asynccontextmanager
-async def running(app: RouterApp) -> AsyncIterator[RouterApp]:
-    """Start and stop the app's resources without a server's lifespan (benchmarks, embedding)."""
-    await app.start()
-    try:
-        yield app
-    finally:
-        await app.stop()

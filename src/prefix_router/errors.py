@@ -89,11 +89,5 @@ class StreamBroken(UpstreamError):
     kind = "stream_broken"
 
 
-UPSTREAM_ERROR_KINDS: tuple[str, ...] = (
-    ConnectFailed.kind,
-    BackendOverloaded.kind,
-    NoAnswer.kind,
-    FirstByteTimeout.kind,
-    StreamBroken.kind,
-    "stream_idle_timeout",
-)
+class StreamIdleTimeout(StreamBroken):
+    kind = "stream_idle_timeout"

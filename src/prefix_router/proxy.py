@@ -41,7 +41,6 @@ from prefix_router.settings import Settings
 from prefix_router.upstream import Upstream, UpstreamResponse, request_headers
 
 Scope = dict[str, Any]
-Message = dict[str, Any]
 BACKEND_HEADER = b"x-prefix-router-backend"
 _REFUSED_METHODS = frozenset({"CONNECT", "TRACE"})
 _RETRY_STATUSES = frozenset({429, 503})
@@ -360,8 +359,7 @@ class Proxy:
                 try:
                     chunk = await resp.next_chunk()
                 except StreamBroken as exc:
-                    kind = "stream_idle_timeout" if str(exc) == "stream_idle_timeout" else exc.kind
-                    self._metrics.upstream_errors.labels(backend, kind).inc()
+                    self._metrics.upstream_errors.labels(backend, exc.kind).inc()
                     # No [DONE] is invented: returning without the final body message makes uvicorn
                     # close the connection, which the client sees as a truncated response.
                     return

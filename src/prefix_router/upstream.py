@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import aiohttp
 from yarl import URL
 
-from prefix_router.errors import ConnectFailed, FirstByteTimeout, NoAnswer, StreamBroken
+from prefix_router.errors import ConnectFailed, FirstByteTimeout, NoAnswer, StreamBroken, StreamIdleTimeout
 from prefix_router.settings import UpstreamSettings
 
 # RFC 9110 §7.6.1 hop-by-hop fields, plus what the relay re-frames itself.
@@ -102,20 +102,9 @@ class UpstreamResponse:
             async with asyncio.timeout(self._idle_s):
                 return await content.readany()
         except TimeoutError as exc:
-            raise StreamBroken("stream_idle_timeout") from exc
+            raise StreamIdleTimeout(f"no chunk within {self._idle_s:g} s") from exc
         except (aiohttp.ClientError, OSError) as exc:
             raise StreamBroken(f"stream broken: {type(exc).__name__}") from exc
-
-    async def read_all(self, limit: int) -> bytes:
-        chunks: list[bytes] = []
-        size = 0
-        while size <= limit:
-            chunk = await self.next_chunk()
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-        return b"".join(chunks)
 
     def finish(self) -> None:
         """Body fully read: the connection goes back to the pool."""
