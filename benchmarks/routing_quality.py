@@ -307,34 +307,29 @@ async def run_cell(
     workload = spec.make(offset) if offset else spec.workload
     target = Target(base_url="", backend_urls=tuple(urls), sim=sim,
                     reset_path=None if sim else args.reset_url_path)  # fmt: skip
-    if policy.static:
-        routes = balanced_placement(workload, urls)
+    extra = {"workload_seed": workload.params.get("seed"), "workload_params": workload.params,
+             "backend_urls": urls}  # fmt: skip
+
+    async def drive(run_target: Target) -> RunSummary:
         summary, _ = await measure(
             session,
-            dataclasses.replace(target, base_url=urls[0], routes=routes),
+            run_target,
             workload,
             concurrency=spec.concurrency if mode == "closed" else None,
             rate_per_s=spec.rate_per_s if mode == "open" else None,
             max_duration_s=args.open_duration,
             oracle_hit_rate=oracle,
         )
-        extra = {"workload_seed": workload.params.get("seed"), "workload_params": workload.params,
-                 "backend_urls": urls}  # fmt: skip
+        return summary
+
+    if policy.static:
+        routes = balanced_placement(workload, urls)
+        summary = await drive(dataclasses.replace(target, base_url=urls[0], routes=routes))
         return Cell(
             workload.name, policy.name, mode, summary, "(no router: static balanced placement)", extra
         )
     async with router_process(session, policy, urls, workdir) as (base, cmd):
-        summary, _ = await measure(
-            session,
-            dataclasses.replace(target, base_url=base),
-            workload,
-            concurrency=spec.concurrency if mode == "closed" else None,
-            rate_per_s=spec.rate_per_s if mode == "open" else None,
-            max_duration_s=args.open_duration,
-            oracle_hit_rate=oracle,
-        )
-    extra = {"workload_seed": workload.params.get("seed"), "workload_params": workload.params,
-             "backend_urls": urls}  # fmt: skip
+        summary = await drive(dataclasses.replace(target, base_url=base))
     return Cell(workload.name, policy.name, mode, summary, shlex.join(cmd), extra)
 
 
