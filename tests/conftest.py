@@ -1,4 +1,4 @@
-"""Shared fixtures: fake backends and a real router under uvicorn, all on 127.0.0.1 ephemeral ports."""
+"""Shared fixtures: fake backends and a real router, all on 127.0.0.1 ephemeral ports."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A real router under uvicorn on a 127.0.0.1 ephemeral port, for tests and their fixtures."""
+"""A real router (its own HTTP/1.1 listener) on a 127.0.0.1 ephemeral port, for tests and their fixtures."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from prefix_router.app import RouterApp, create_app
-from prefix_router.server import _Server, uvicorn_config
+from prefix_router.server import RouterServer, SideServer, side_config
 from prefix_router.settings import Settings, load_settings
 
 from fakebackend import FakeBackend
@@ -25,7 +25,7 @@ def free_socket() -> socket.socket:
 
 
 class RunningRouter:
-    def __init__(self, app: RouterApp, server: _Server, task: asyncio.Task[None], port: int) -> None:
+    def __init__(self, app: RouterApp, server: RouterServer, task: asyncio.Task[int], port: int) -> None:
         self.app = app
         self.server = server
         self.task = task
@@ -40,7 +40,7 @@ class RunningRouter:
         return {b.url: load.inflight(b.url) for b in self.app.backends.backends()}
 
     async def stop(self) -> None:
-        self.server.should_exit = True
+        self.server.request_exit()
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.wait_for(self.task, 10)
 
@@ -59,9 +59,8 @@ async def start_router(settings: Settings) -> RunningRouter:
     app = create_app(settings)
     sock = free_socket()
     port = sock.getsockname()[1]
-    config = uvicorn_config(app, settings.server, "127.0.0.1", port, main=True)
-    server = _Server(config)
-    task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
+    server = RouterServer(app, [sock])
+    task = asyncio.get_running_loop().create_task(server.serve())
     for _ in range(500):
         if server.started:
             break
@@ -83,11 +82,11 @@ async def eventually(predicate: Callable[[], bool], timeout_s: float = 5.0) -> N
         await asyncio.sleep(0.01)
 
 
-async def start_side_app(asgi: object, settings: Settings) -> tuple[_Server, asyncio.Task[None], int]:
+async def start_side_app(asgi: object, settings: Settings) -> tuple[SideServer, asyncio.Task[None], int]:
     """Serve one of the router's side apps (admin, metrics) on its own loopback port."""
     sock = free_socket()
     port = sock.getsockname()[1]
-    server = _Server(uvicorn_config(asgi, settings.server, "127.0.0.1", port, main=False))
+    server = SideServer(side_config(asgi, settings.server, "127.0.0.1", port))
     task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
     for _ in range(500):
         if server.started:

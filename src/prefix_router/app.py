@@ -1,8 +1,9 @@
-"""`create_app(settings)`: the router as ASGI apps, its resources owned by the lifespan.
+"""`create_app(settings)`: the router, its resources owned by start()/stop().
 
-The data path is `Proxy.handle` behind a thin dispatcher; FastAPI serves only the local routes
-(/healthz, /readyz, /metrics) and the admin API on its own listener. This module holds the only
-table from errors to HTTP statuses.
+The main port's requests come from http_server.Listener to `RouterApp.handle`: the local routes
+(/healthz, /readyz, /metrics) are answered here, everything else is `Proxy.handle`. FastAPI serves
+the metrics port and the admin API on their own listeners. This module holds the only table from
+errors to HTTP statuses.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import contextlib
 import hmac
 import logging
 import random
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -25,6 +25,7 @@ from prefix_router import errors
 from prefix_router.backends import BackendSet, BackendSpec, HealthPolicy
 from prefix_router.discovery import build_discovery
 from prefix_router.health import HealthProber
+from prefix_router.http_server import ErrorParts, Exchange
 from prefix_router.load_signal import LoadSignalScraper
 from prefix_router.metrics import BackendStatus, FleetSnapshot, RouterMetrics
 from prefix_router.proxy import Proxy
@@ -35,13 +36,14 @@ from prefix_router.upstream import Upstream
 log = logging.getLogger("prefix_router")
 
 LOCAL_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
-ASGIApp = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
+_JSON = b"application/json"
 
 # error class -> (status, OpenAI error type, code). The first match in MRO order wins.
 ERROR_TABLE: dict[type[errors.RouterError], tuple[int, str, str]] = {
     errors.BodyTooLarge: (413, "invalid_request_error", "body_too_large"),
     errors.MethodNotAllowed: (405, "invalid_request_error", "bad_request"),
     errors.RequestTimeout: (408, "invalid_request_error", "request_timeout"),
+    errors.HeadersTooLarge: (431, "invalid_request_error", "headers_too_large"),
     errors.BadRequest: (400, "invalid_request_error", "bad_request"),
     errors.NoBackend: (503, "server_error", "no_backend"),
     errors.Overloaded: (503, "server_error", "overloaded"),
@@ -60,14 +62,14 @@ def error_code(exc: errors.RouterError) -> tuple[int, str, str]:
     return ERROR_TABLE[errors.RouterError]  # pragma: no cover - every RouterError has an ancestor entry
 
 
-def error_response_parts(exc: errors.RouterError) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+def error_response_parts(exc: errors.RouterError) -> ErrorParts:
     """Status, headers and OpenAI-shaped JSON body for an error the router answers itself."""
     status, kind, code = error_code(exc)
     body = orjson.dumps({"error": {"message": str(exc), "type": kind, "code": code, "param": None}})
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if isinstance(exc, errors.Overloaded):
         headers.append((b"retry-after", str(exc.retry_after_s).encode()))
-    if status in (400, 405, 408, 413):
+    if status in (400, 405, 408, 413, 431):
         headers.append((b"connection", b"close"))
     return status, headers, body
 
@@ -77,7 +79,7 @@ class DrainRequest(BaseModel):
 
 
 class RouterApp:
-    """The main ASGI app (data path + local routes); `.admin_app` and `.metrics_app` share its state."""
+    """The router: `handle` answers the main port; `.admin_app` and `.metrics_app` (ASGI) share its state."""
 
     def __init__(self, settings: Settings, *, rng: random.Random | None = None) -> None:
         self.settings = settings
@@ -102,54 +104,44 @@ class RouterApp:
         self._known: set[str] = set(b.url for b in self.backends.backends())
         self.backends.on_change(self._membership_changed)
         self._tasks: list[asyncio.Task[None]] = []
-        self.local_app = self._build_local_app()
+        self.metrics_app = self._build_metrics_app()
         self.admin_app = self._build_admin_app()
-        self.metrics_app = self.local_app
 
-    # -- ASGI ----------------------------------------------------------------------------------
+    # -- the main port -------------------------------------------------------------------------
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        kind = scope["type"]
-        if kind == "http":
-            if scope["path"] in LOCAL_PATHS:
-                await self.local_app(scope, receive, send)
-                return
-            try:
-                await self.proxy.handle(scope, receive, send)
-            except errors.ClientDisconnected:
-                self.metrics.client_disconnects.inc()
-            except errors.RouterError as exc:
-                await self._send_error(send, exc)
-        elif kind == "lifespan":
-            await self._lifespan(receive, send)
-        elif kind == "websocket":
-            await send({"type": "websocket.close", "code": 1003})
+    async def handle(self, ex: Exchange) -> None:
+        if ex.path in LOCAL_PATHS:
+            if ex.method in ("GET", "HEAD"):
+                ex.respond(*self.local_answer(ex.path))
+            else:
+                ex.respond(*self.render_error(errors.MethodNotAllowed(f"{ex.path} answers GET only")))
+            return
+        try:
+            await self.proxy.handle(ex)
+        except errors.RouterError as exc:
+            if not ex.started:
+                ex.respond(*self.render_error(exc))
 
-    async def _send_error(self, send: Any, exc: errors.RouterError) -> None:
-        status, headers, body = error_response_parts(exc)
+    def render_error(self, exc: errors.RouterError) -> ErrorParts:
+        """An error the router answers itself, counted by its code."""
+        parts = error_response_parts(exc)
         self.metrics.router_errors.labels(error_code(exc)[2]).inc()
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": body, "more_body": False})
+        return parts
 
-    async def _lifespan(self, receive: Any, send: Any) -> None:
-        message = await receive()
-        if message["type"] != "lifespan.startup":
-            return
-        try:
-            await self.start()
-        except Exception as exc:
-            await send({"type": "lifespan.startup.failed", "message": str(exc)})
-            return
-        await send({"type": "lifespan.startup.complete"})
-        try:
-            message = await receive()
-        except asyncio.CancelledError:
-            # A forced exit (second signal) cancels the lifespan instead of ending it: close what
-            # we own and finish quietly, rather than as an "Exception in 'lifespan' protocol".
-            await self.stop()
-            return
-        await self.stop()
-        await send({"type": "lifespan.shutdown.complete"})
+    def local_answer(self, path: str) -> ErrorParts:
+        """(status, headers, body) of /healthz, /readyz or /metrics, on every port that serves them."""
+        if path == "/metrics":
+            body = generate_latest(self.registry)
+            return 200, [(b"content-type", CONTENT_TYPE_LATEST.encode()), _length(body)], body
+        status, text = 200, b'{"status":"ok"}'
+        if path == "/readyz":
+            if self.draining:
+                status, text = 503, b'{"status":"draining"}'
+            elif not self.backends.is_ready():
+                status, text = 503, b'{"status":"no healthy backend"}'
+            else:
+                text = b'{"status":"ready"}'
+        return status, [(b"content-type", _JSON), _length(text)], text
 
     # -- resources -----------------------------------------------------------------------------
 
@@ -208,28 +200,26 @@ class RouterApp:
 
     # -- local routes and admin ----------------------------------------------------------------
 
-    def _metrics_response(self) -> Response:
-        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
-
-    def _build_local_app(self) -> FastAPI:
-        """/healthz, /readyz and /metrics; served on the main port and on the metrics port."""
+    def _build_metrics_app(self) -> FastAPI:
+        """/healthz, /readyz and /metrics for the metrics port."""
         app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+
+        def answer(path: str) -> Response:
+            status, headers, body = self.local_answer(path)
+            media = dict(headers)[b"content-type"].decode()
+            return Response(body, status_code=status, media_type=media)
 
         @app.get("/healthz")
         async def healthz() -> Response:
-            return JSONResponse({"status": "ok"})
+            return answer("/healthz")
 
         @app.get("/readyz")
         async def readyz() -> Response:
-            if self.draining:
-                return JSONResponse({"status": "draining"}, status_code=503)
-            if not self.backends.is_ready():
-                return JSONResponse({"status": "no healthy backend"}, status_code=503)
-            return JSONResponse({"status": "ready"})
+            return answer("/readyz")
 
         @app.get("/metrics")
         async def metrics() -> Response:
-            return self._metrics_response()
+            return answer("/metrics")
 
         return app
 
@@ -280,6 +270,10 @@ class RouterApp:
             return JSONResponse({"draining": url})
 
         return app
+
+
+def _length(body: bytes) -> tuple[bytes, bytes]:
+    return b"content-length", str(len(body)).encode()
 
 
 def create_app(settings: Settings, *, rng: random.Random | None = None) -> RouterApp:

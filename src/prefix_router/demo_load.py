@@ -14,14 +14,12 @@ import contextlib
 import math
 import socket
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
-
-import uvicorn
 
 from prefix_router.app import RouterApp, create_app
 from prefix_router.errors import SettingsError
-from prefix_router.server import uvicorn_config
+from prefix_router.server import RouterServer
 from prefix_router.settings import Settings, load_settings
 from prefix_router.sim.config import SimConfig
 from prefix_router.sim.fleet import SimFleet
@@ -44,24 +42,15 @@ def load_sim_config(workload_groups: int, system_tokens: int, backends: int, con
     )
 
 
-class _EmbeddedServer(uvicorn.Server):
-    """uvicorn without its signal handlers: the demo stops it itself."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
 @contextlib.asynccontextmanager
 async def serving(app: RouterApp) -> AsyncIterator[str]:
     """Serve `app` on an ephemeral 127.0.0.1 port for the duration; yields its base URL."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    settings = app.settings.server
-    server = _EmbeddedServer(uvicorn_config(app, settings, "127.0.0.1", port, main=True))
-    task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
+    server = RouterServer(app, [sock])
+    task = asyncio.get_running_loop().create_task(server.serve())
     try:
         while not server.started:
             if task.done():
@@ -70,7 +59,7 @@ async def serving(app: RouterApp) -> AsyncIterator[str]:
             await asyncio.sleep(0.02)
         yield f"http://127.0.0.1:{port}"
     finally:
-        server.should_exit = True
+        server.request_exit()
         with contextlib.suppress(Exception):
             await task
         sock.close()

@@ -47,6 +47,10 @@ class RequestTimeout(RequestError):
     pass
 
 
+class HeadersTooLarge(RequestError):
+    pass
+
+
 class ClientDisconnected(RequestError):
     pass
 

@@ -25,6 +25,7 @@ STATUS_CLASSES = ("1xx", "2xx", "3xx", "4xx", "5xx")
 # Errors the router answers itself, by OpenAI-style error code (a closed set, see app/proxy).
 ROUTER_ERROR_CODES = (
     "body_too_large",
+    "headers_too_large",
     "bad_request",
     "no_backend",
     "overloaded",

@@ -1,8 +1,9 @@
 """One proxied request: bounded read → key → pick → lease → relay → release.
 
-This is a raw ASGI handler, not a FastAPI route: the data path pays for no routing, validation or
-response objects. `Proxy.handle` raises RouterError only before the response has started (app.py
-turns it into an OpenAI-shaped error); once bytes have gone to the client, failures end the stream.
+The request arrives read whole from http_server.Listener, not through ASGI or a FastAPI route: the data
+path pays for no routing, validation or message dicts. `Proxy.handle` raises RouterError only before
+the response has started (app.py turns it into an OpenAI-shaped error); once bytes have gone to the
+client, failures end the stream.
 """
 
 from __future__ import annotations
@@ -12,27 +13,22 @@ import hashlib
 import hmac
 import random
 import time
-from dataclasses import dataclass
-from typing import Any
 
 import orjson
-from yarl import URL
 
 from prefix_router.admission import CapacityWaiters, PrefillEvents
 from prefix_router.backends import BackendSet
 from prefix_router.errors import (
     BackendOverloaded,
     BadRequest,
-    BodyTooLarge,
-    ClientDisconnected,
     ConnectFailed,
     MethodNotAllowed,
     NoBackend,
     Overloaded,
-    RequestTimeout,
     StreamBroken,
     UpstreamError,
 )
+from prefix_router.http_server import Exchange
 from prefix_router.metrics import RouterMetrics
 from prefix_router.routing.keys import RoutingKey, extract_key
 from prefix_router.routing.load import Lease
@@ -40,18 +36,9 @@ from prefix_router.routing.picker import Branch, Decision, Picker
 from prefix_router.settings import Settings
 from prefix_router.upstream import Upstream, UpstreamResponse, request_headers
 
-Scope = dict[str, Any]
 BACKEND_HEADER = b"x-prefix-router-backend"
 _REFUSED_METHODS = frozenset({"CONNECT", "TRACE"})
 _RETRY_STATUSES = frozenset({429, 503})
-
-
-@dataclass(slots=True)
-class _Flow:
-    """What the disconnect watcher and the relay share about one request."""
-
-    done: bool = False
-    client_gone: bool = False
 
 
 class Proxy:
@@ -80,7 +67,6 @@ class Proxy:
         self._waiters = CapacityWaiters(settings.balancing.queue_max)
         self._active = 0
         self._retrying = 0
-        self._urls: dict[str, tuple[str, str, int]] = {}
         self._prefill_wait_s = settings.routing.prefill_wait_s
         self._prefills = PrefillEvents()
 
@@ -94,80 +80,25 @@ class Proxy:
 
     # -- the request ---------------------------------------------------------------------------
 
-    async def handle(self, scope: Scope, receive: Any, send: Any) -> None:
-        method: str = scope["method"]
-        if method in _REFUSED_METHODS:
-            raise MethodNotAllowed(f"method {method} is not supported by the router")
-        raw_path: bytes = scope.get("raw_path") or scope["path"].encode("utf-8")
-        if not raw_path.startswith(b"/"):
+    async def handle(self, ex: Exchange) -> None:
+        if ex.method in _REFUSED_METHODS:
+            raise MethodNotAllowed(f"method {ex.method} is not supported by the router")
+        if not ex.raw_path.startswith(b"/"):
             # An absolute URI or authority form: the target is only ever a configured backend.
             raise BadRequest("the request target must be a path starting with '/'")
-        body = await self._read_body(scope, receive)
-        tenant = self._tenant(scope["headers"])
-        key = extract_key(scope["path"], body, tenant, self._key_config)
+        body = ex.body
+        key = extract_key(ex.path, body, self._tenant(ex.headers), self._key_config)
         if self._salt_secret is not None and body:
             body = self._with_cache_salt(body, key)
-
         self._active += 1
-        flow = _Flow()
-        me = asyncio.current_task()
-        watcher = asyncio.get_running_loop().create_task(self._watch_disconnect(receive, flow, me))
         try:
-            await self._relay(scope, send, body, key)
+            await self._relay(ex, body, key)
         except asyncio.CancelledError:
-            if flow.client_gone and me is not None and me.cancelling() <= 1:
-                me.uncancel()
+            if ex.client_gone:
                 self._metrics.client_disconnects.inc()
-                return
             raise
-        except ClientDisconnected:
-            self._metrics.client_disconnects.inc()
         finally:
-            flow.done = True
             self._active -= 1
-            watcher.cancel()
-
-    async def _watch_disconnect(self, receive: Any, flow: _Flow, task: asyncio.Task[Any] | None) -> None:
-        while not flow.done:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                if not flow.done and task is not None:
-                    flow.client_gone = True
-                    task.cancel()
-                return
-
-    async def _read_body(self, scope: Scope, receive: Any) -> bytes:
-        limit = self._settings.server.max_body_bytes
-        for name, value in scope["headers"]:
-            if name == b"content-length":
-                try:
-                    declared = int(value)
-                except ValueError as exc:
-                    raise BadRequest("invalid Content-Length") from exc
-                if declared > limit:
-                    raise BodyTooLarge(f"request body of {declared} bytes is over the limit of {limit} bytes")
-        chunks: list[bytes] = []
-        size = 0
-        timeout_s = self._settings.server.body_timeout_s
-        loop = asyncio.get_running_loop()
-        try:
-            async with asyncio.timeout(timeout_s) as deadline:
-                while True:
-                    message = await receive()
-                    if message["type"] == "http.disconnect":
-                        raise ClientDisconnected("client went away while sending the body")
-                    chunk: bytes = message.get("body", b"")
-                    if chunk:
-                        size += len(chunk)
-                        if size > limit:
-                            raise BodyTooLarge(f"request body is over the limit of {limit} bytes")
-                        chunks.append(chunk)
-                    if not message.get("more_body", False):
-                        break
-                    deadline.reschedule(loop.time() + timeout_s)
-        except TimeoutError as exc:
-            raise RequestTimeout(f"no request body bytes within {timeout_s:g} s") from exc
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     def _tenant(self, headers: list[tuple[bytes, bytes]]) -> str | None:
         for name, value in headers:
@@ -251,33 +182,11 @@ class Proxy:
         self._metrics.retry_budget_exhausted.inc()
         return False
 
-    def _target(self, backend_url: str, raw_path: bytes, query: bytes) -> URL:
-        parts = self._urls.get(backend_url)
-        if parts is None:
-            u = URL(backend_url)
-            parts = (u.scheme, u.raw_host or "", u.port or 80)
-            self._urls[backend_url] = parts
-        scheme, host, port = parts
-        return URL.build(
-            scheme=scheme,
-            host=host,
-            port=port,
-            path=raw_path.decode("latin-1"),
-            query_string=query.decode("latin-1"),
-            encoded=True,
-        )
-
     # -- relay ---------------------------------------------------------------------------------
 
-    async def _relay(self, scope: Scope, send: Any, body: bytes, key: RoutingKey) -> None:
+    async def _relay(self, ex: Exchange, body: bytes, key: RoutingKey) -> None:
         up = self._settings.upstream
-        client = scope.get("client")
-        headers = request_headers(
-            scope["headers"], client[0] if client else None, scope.get("scheme", "http")
-        )
-        method: str = scope["method"]
-        raw_path: bytes = scope.get("raw_path") or scope["path"].encode("utf-8")
-        query: bytes = scope.get("query_string", b"")
+        headers = request_headers(ex.headers, ex.client_ip, ex.scheme)
         tried: list[str] = []
         last_error: UpstreamError | None = None
         while True:
@@ -299,9 +208,7 @@ class Proxy:
             started = time.perf_counter()
             try:
                 try:
-                    resp = await self._upstream.send(
-                        method, self._target(backend, raw_path, query), headers, body, None
-                    )
+                    resp = await self._upstream.send(ex.method, backend, ex.target, headers, body)
                 except ConnectFailed as exc:
                     self._metrics.upstream_errors.labels(backend, exc.kind).inc()
                     self._backends.record_failure(backend, probe=False)
@@ -325,7 +232,7 @@ class Proxy:
                 self._backends.record_success(backend, probe=False)
                 if resp.status < 400:
                     self._picker.placed(key, backend)
-                await self._stream(send, resp, backend, branch, started, prefill)
+                await self._stream(ex, resp, backend, branch, started, prefill)
                 return
             finally:
                 self._end_prefill(prefill)
@@ -339,7 +246,7 @@ class Proxy:
 
     async def _stream(
         self,
-        send: Any,
+        ex: Exchange,
         resp: UpstreamResponse,
         backend: str,
         branch: Branch,
@@ -352,25 +259,30 @@ class Proxy:
         if self._settings.server.backend_header:
             headers.append((BACKEND_HEADER, backend.encode("latin-1")))
         complete = False
+        first_seen = False
+
+        def on_first() -> None:
+            nonlocal first_seen
+            first_seen = True
+            series.ttfb.observe(time.perf_counter() - started)
+            self._end_prefill(prefill)
+
         try:
-            await send({"type": "http.response.start", "status": resp.status, "headers": headers})
-            first = True
-            while True:
-                try:
-                    chunk = await resp.next_chunk()
-                except StreamBroken as exc:
-                    self._metrics.upstream_errors.labels(backend, exc.kind).inc()
-                    # No [DONE] is invented: returning without the final body message makes uvicorn
-                    # close the connection, which the client sees as a truncated response.
-                    return
-                if first:
-                    series.ttfb.observe(time.perf_counter() - started)
-                    self._end_prefill(prefill)
-                    first = False
-                if not chunk:
-                    break
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            ex.start(resp.status, headers)
+            ex.flow = resp
+            if ex.writing_paused:
+                resp.pause_reading()
+            try:
+                # Body chunks go from the backend's socket callback straight to the client's.
+                await resp.pipe(ex.write, on_first, ex.flush)
+            except StreamBroken as exc:
+                self._metrics.upstream_errors.labels(backend, exc.kind).inc()
+                # No [DONE] is invented: the listener closes a response that did not end, which the
+                # client sees as a truncated body.
+                return
+            if not first_seen:
+                on_first()
+            ex.end()
             complete = True
             resp.finish()
         finally:

@@ -1,5 +1,6 @@
-"""Run a RouterApp under uvicorn: the main listener, and the optional metrics and admin listeners,
-in one event loop; SIGTERM fails /readyz at once, stops accepting, and drains in-flight requests.
+"""Run a RouterApp: the main listener (http_server.Listener) and the optional metrics and admin
+listeners (uvicorn + FastAPI), in one event loop; SIGTERM fails /readyz at once, stops accepting, and
+drains in-flight requests.
 """
 
 from __future__ import annotations
@@ -16,36 +17,101 @@ from typing import Any
 import uvicorn
 
 from prefix_router.app import RouterApp
-from prefix_router.http_guard import guarded_protocol
+from prefix_router.http_server import Listener, ListenerLimits
 from prefix_router.settings import ServerSettings
 
 log = logging.getLogger("prefix_router")
+KEEPALIVE_TIMEOUT_S = 5.0  # uvicorn's and vLLM's: an idle client connection closes after it
 
 
-class _Server(uvicorn.Server):
-    """A uvicorn server that leaves signal handling to `serve`, which owns all listeners."""
+class SideServer(uvicorn.Server):
+    """A uvicorn server for a side port that leaves signal handling to `serve`."""
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
 
 
-def uvicorn_config(asgi: Any, s: ServerSettings, host: str, port: int, *, main: bool) -> uvicorn.Config:
-    """One listener's config; only the main one runs the lifespan that owns the router's resources."""
+def side_config(asgi: Any, s: ServerSettings, host: str, port: int) -> uvicorn.Config:
+    """A side listener (metrics, admin): FastAPI under uvicorn, off the data path."""
     return uvicorn.Config(
         asgi,
         host=host,
         port=port,
-        lifespan="on" if main else "off",
+        lifespan="off",
         access_log=False,
         log_level=s.log_level,
-        timeout_graceful_shutdown=int(s.drain_timeout_s) if main else 1,
-        timeout_keep_alive=5,
-        http=guarded_protocol(s.max_header_bytes, s.header_timeout_s),
+        timeout_graceful_shutdown=1,
+        timeout_keep_alive=int(KEEPALIVE_TIMEOUT_S),
         server_header=False,
-        date_header=False,  # the backend's Date passes through; two would be a protocol smell
-        proxy_headers=False,  # the router is the edge: X-Forwarded-For is appended, never trusted
+        proxy_headers=False,
     )
+
+
+def listener_limits(s: ServerSettings) -> ListenerLimits:
+    return ListenerLimits(
+        max_head_bytes=s.max_header_bytes,
+        head_timeout_s=s.header_timeout_s,
+        max_body_bytes=s.max_body_bytes,
+        body_timeout_s=s.body_timeout_s,
+        keepalive_timeout_s=KEEPALIVE_TIMEOUT_S,
+    )
+
+
+class RouterServer:
+    """The main port and the side ports, started and stopped together with the app's resources."""
+
+    def __init__(self, app: RouterApp, sockets: list[socket.socket] | None = None) -> None:
+        self.app = app
+        self._sockets = sockets
+        self.started = False
+        self.force_exit = False
+        self._exit: asyncio.Event | None = None
+
+    @property
+    def should_exit(self) -> bool:
+        return self._exit is not None and self._exit.is_set()
+
+    def request_exit(self) -> None:
+        if self._exit is None:
+            self._exit = asyncio.Event()
+        self._exit.set()
+
+    async def serve(self) -> int:
+        """Serve until request_exit(); 1 if the main port could not be opened."""
+        if self._exit is None:
+            self._exit = asyncio.Event()
+        app, s = self.app, self.app.settings.server
+        await app.start()
+        listener = Listener(app.handle, app.render_error, listener_limits(s))
+        try:
+            if self._sockets:
+                for sock in self._sockets:
+                    await listener.listen(sock=sock)
+            else:
+                await listener.listen(s.host, s.port)
+        except OSError as exc:
+            log.error("cannot listen on %s:%s: %s", s.host, s.port, exc)
+            await app.stop()
+            return 1
+        side: list[SideServer] = []
+        if s.metrics_port is not None:
+            side.append(SideServer(side_config(app.metrics_app, s, s.host, s.metrics_port)))
+        if s.admin_port is not None:
+            side.append(SideServer(side_config(app.admin_app, s, s.admin_host, s.admin_port)))
+        loop = asyncio.get_running_loop()
+        side_tasks = [loop.create_task(server.serve()) for server in side]
+        self.started = True
+        log.info("prefix-router listening on %s", listener.addresses())
+        try:
+            await self._exit.wait()
+            await listener.shut_down(s.drain_timeout_s, lambda: self.force_exit)
+        finally:
+            for server in side:
+                server.should_exit = True
+            await asyncio.gather(*side_tasks, return_exceptions=True)
+            await app.stop()
+        return 0
 
 
 # Every proxied request allocates a few hundred objects; at CPython's default gen-0 threshold (700)
@@ -65,37 +131,26 @@ def tune_gc() -> None:
 async def serve(app: RouterApp, sockets: list[socket.socket] | None = None) -> int:
     """Serve until SIGTERM/SIGINT; returns the process exit code."""
     s = app.settings.server
-    main = _Server(uvicorn_config(app, s, s.host, s.port, main=True))
-    aux: list[_Server] = []
-    if s.metrics_port is not None:
-        aux.append(_Server(uvicorn_config(app.metrics_app, s, s.host, s.metrics_port, main=False)))
-    if s.admin_port is not None:
-        aux.append(_Server(uvicorn_config(app.admin_app, s, s.admin_host, s.admin_port, main=False)))
-
+    server = RouterServer(app, sockets)
     loop = asyncio.get_running_loop()
 
     def on_signal(signum: int) -> None:
-        if main.should_exit:
+        if server.should_exit:
             log.warning("second signal: exiting without waiting for in-flight requests")
-            main.force_exit = True
+            server.force_exit = True
             return
         log.info("signal %s: failing /readyz and draining for up to %g s", signum, s.drain_timeout_s)
         app.draining = True
-        main.should_exit = True
+        server.request_exit()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
     tune_gc()
-    aux_tasks = [loop.create_task(server.serve()) for server in aux]
     try:
-        await main.serve(sockets=sockets)
+        return await server.serve()
     finally:
-        for server in aux:
-            server.should_exit = True
-        await asyncio.gather(*aux_tasks, return_exceptions=True)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
-    return 0 if main.started else 1
 
 
 def run_loop(main: Coroutine[Any, Any, int]) -> int:

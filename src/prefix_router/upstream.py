@@ -1,21 +1,21 @@
-"""The only HTTP client of the data path: one aiohttp session for the process.
+"""The only HTTP client of the router: requests to backends over pooled HTTP/1.1 connections.
 
-aiohttp rather than httpx because, measured on this machine, a relay on httpx's pool collapsed under
-concurrency (340 req/s at 64 connections, 3+ ms CPU per request) where aiohttp's made ~7.7k req/s
-(see README, "Why aiohttp"). Pool limits and timeouts are explicit; library exceptions are mapped to
-errors.UpstreamError subclasses here and nowhere else.
+Our own client (upstream_pool.py) rather than aiohttp's or httpx's: measured on this machine, httpx's
+pool collapsed under concurrency (340 req/s at 64 connections, 3+ ms CPU per request), and aiohttp's
+client was the largest single cost of a proxied request (README, "Why our own HTTP/1.1"). Pool limits
+and timeouts are explicit; failures are errors.UpstreamError subclasses, mapped here and nowhere else.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import ssl
+from collections.abc import Callable, Sequence
+from urllib.parse import urlsplit
 
-import aiohttp
-from yarl import URL
-
-from prefix_router.errors import ConnectFailed, FirstByteTimeout, NoAnswer, StreamBroken, StreamIdleTimeout
+from prefix_router.errors import FirstByteTimeout, UpstreamError
 from prefix_router.settings import UpstreamSettings
+from prefix_router.upstream_pool import BodySink, Connection, Origin, Pool, StaleConnection
 
 # RFC 9110 §7.6.1 hop-by-hop fields, plus what the relay re-frames itself.
 HOP_BY_HOP = frozenset(
@@ -43,13 +43,11 @@ def _named_in_connection(headers: Sequence[tuple[bytes, bytes]]) -> frozenset[by
     return frozenset(named)
 
 
-def request_headers(
-    raw: Sequence[tuple[bytes, bytes]], client_ip: str | None, scheme: str
-) -> list[tuple[str, str]]:
-    """The client's headers minus hop-by-hop ones, with X-Forwarded-For/-Proto set. One pass; the
-    fields a Connection header names (rare) are dropped afterwards."""
-    out: list[tuple[str, str]] = []
-    forwarded_for: str | None = None
+def request_headers(raw: Sequence[tuple[bytes, bytes]], client_ip: str | None, scheme: str) -> bytes:
+    """The client's headers minus hop-by-hop ones, with X-Forwarded-For/-Proto set, as the lines of a
+    request head. One pass; the fields a Connection header names (rare) are dropped afterwards."""
+    out: list[tuple[bytes, bytes]] = []
+    forwarded_for: bytes | None = None
     connection: bytes | None = None
     for name, value in raw:
         if name in _REQUEST_DROP:
@@ -59,138 +57,215 @@ def request_headers(
         if name == b"x-forwarded-proto":
             continue
         if name == b"x-forwarded-for":
-            forwarded_for = value.decode("latin-1")
+            forwarded_for = value if forwarded_for is None else forwarded_for + b", " + value
             continue
-        out.append((name.decode("latin-1"), value.decode("latin-1")))
+        out.append((name, value))
     if connection is not None:
         named = _named_in_connection([(b"connection", connection)])
         if named:
-            out = [(n, v) for n, v in out if n.encode("latin-1") not in named]
+            out = [(n, v) for n, v in out if n not in named]
     if client_ip:
-        forwarded_for = f"{forwarded_for}, {client_ip}" if forwarded_for else client_ip
+        ip = client_ip.encode("latin-1")
+        forwarded_for = forwarded_for + b", " + ip if forwarded_for else ip
     if forwarded_for:
-        out.append(("X-Forwarded-For", forwarded_for))
-    out.append(("X-Forwarded-Proto", scheme))
-    return out
+        out.append((b"x-forwarded-for", forwarded_for))
+    out.append((b"x-forwarded-proto", scheme.encode("latin-1")))
+    return b"".join([b"%s: %s\r\n" % pair for pair in out])
 
 
 def response_headers(raw: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    """The backend's headers minus hop-by-hop ones; names lower-cased for ASGI."""
+    """The backend's headers minus hop-by-hop ones, names lower-cased."""
     drop = _RESPONSE_DROP | _named_in_connection([(n.lower(), v) for n, v in raw])
     return [(name.lower(), value) for name, value in raw if name.lower() not in drop]
 
 
+_BODY_METHODS = frozenset({b"POST", b"PUT", b"PATCH"})
+
+
 class UpstreamResponse:
-    """A backend's response whose body is read chunk by chunk, each within the idle timeout."""
+    """A backend's answer: status and headers now, the body pushed to a sink as it arrives."""
 
-    __slots__ = ("_idle_s", "_resp", "headers", "status")
+    __slots__ = ("_conn", "_done", "_idle_s", "_pool", "headers", "status")
 
-    def __init__(self, resp: aiohttp.ClientResponse, idle_s: float) -> None:
-        self._resp = resp
+    def __init__(self, conn: Connection, pool: Pool, idle_s: float) -> None:
+        self._conn = conn
+        self._pool = pool
         self._idle_s = idle_s
-        self.status = resp.status
-        self.headers = response_headers(resp.raw_headers)
+        self._done = False
+        self.status = conn.status
+        self.headers = response_headers(conn.raw_headers)
 
-    async def next_chunk(self) -> bytes:
-        """The next bytes of the body, b'' at its end; StreamBroken on reset or idle timeout."""
-        content = self._resp.content
+    async def pipe(
+        self,
+        sink: BodySink,
+        on_first: Callable[[], None] | None = None,
+        on_wait: Callable[[], None] | None = None,
+    ) -> None:
+        """Hand every body chunk to `sink` (synchronously, from the socket's callback) until the end;
+        StreamBroken on reset, StreamIdleTimeout after the idle timeout without a chunk. `on_wait`
+        runs once if the body has to be waited for (a stream: send the head ahead of it)."""
+        conn = self._conn
+        if conn.buffered:
+            data = b"".join(conn.buffered)
+            conn.buffered.clear()
+            conn.got_body = True
+            if on_first is not None:
+                on_first()
+            sink(data)
+        if conn.complete:
+            return
+        if conn.error is not None:
+            raise conn.error
+        if on_wait is not None:
+            on_wait()
+        conn.sink = sink
+        conn.on_first = on_first
+        conn.watch_idle(self._idle_s)
         try:
-            # Bytes already buffered (most bodies, most chunks) need no timer at all.
-            data = content.read_nowait()
-            if data or content.at_eof():
-                return data
-            async with asyncio.timeout(self._idle_s):
-                return await content.readany()
-        except TimeoutError as exc:
-            raise StreamIdleTimeout(f"no chunk within {self._idle_s:g} s") from exc
-        except (aiohttp.ClientError, OSError) as exc:
-            raise StreamBroken(f"stream broken: {type(exc).__name__}") from exc
+            await conn.wait()
+        finally:
+            conn.unwatch_idle()
+            conn.sink = None
+            conn.on_first = None
+
+    async def read(self) -> bytes:
+        chunks: list[bytes] = []
+        await self.pipe(chunks.append)
+        return b"".join(chunks)
+
+    def pause_reading(self) -> None:
+        self._conn.pause_reading()
+
+    def resume_reading(self) -> None:
+        self._conn.resume_reading()
 
     def finish(self) -> None:
         """Body fully read: the connection goes back to the pool."""
-        self._resp.release()
+        if not self._done:
+            self._done = True
+            self._conn.resume_reading()
+            self._pool.release(self._conn)
 
     def abort(self) -> None:
         """Close the connection at once, so the backend sees the client leave and stops generating."""
-        self._resp.close()
+        if not self._done:
+            self._done = True
+            self._conn.close()
+            self._pool.release(self._conn)
 
 
 class Upstream:
     def __init__(self, settings: UpstreamSettings) -> None:
         self._settings = settings
-        self._session: aiohttp.ClientSession | None = None
+        self._pools: dict[str, Pool] = {}
+        self._ssl: ssl.SSLContext | None = None
+        self._open = False
 
     async def start(self) -> None:
-        s = self._settings
-        connector = aiohttp.TCPConnector(
-            limit=s.max_connections,
-            limit_per_host=s.max_connections_per_backend,
-            keepalive_timeout=s.keepalive_timeout_s,
-            ttl_dns_cache=10,
-        )
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=s.connect_timeout_s),
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent", "Accept-Encoding", "Accept", "Content-Type"),
-            cookie_jar=aiohttp.DummyCookieJar(),
-        )
+        self._open = True
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-    @property
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            raise RuntimeError("Upstream.start() was not awaited")
-        return self._session
+        self._open = False
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
 
     def pool_in_use(self) -> int:
-        """Connections checked out of the pool (for leak checks)."""
-        connector = self.session.connector
-        if connector is None:
-            return 0
-        return sum(len(v) for v in connector._acquired_per_host.values())
+        """Connections checked out of the pools (for leak checks)."""
+        return sum(len(p.busy) for p in self._pools.values())
+
+    def _pool(self, origin: str) -> Pool:
+        pool = self._pools.get(origin)
+        if pool is None:
+            if not self._open:
+                raise RuntimeError("Upstream.start() was not awaited")
+            s = self._settings
+            parsed = Origin.parse(origin)
+            context = None
+            if parsed.scheme == "https":
+                if self._ssl is None:
+                    self._ssl = ssl.create_default_context()
+                context = self._ssl
+            pool = Pool(
+                parsed,
+                asyncio.get_running_loop(),
+                limit=s.max_connections_per_backend,
+                keepalive_s=s.keepalive_timeout_s,
+                connect_timeout_s=s.connect_timeout_s,
+                ssl_context=context,
+            )
+            self._pools[origin] = pool
+        return pool
 
     async def fetch(self, url: str, timeout_s: float) -> tuple[int, bytes] | None:
         """GET a side URL of a backend (health, metrics): (status, body), or None if it failed."""
+        parts = urlsplit(url)
+        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         try:
             async with asyncio.timeout(timeout_s):
-                async with self.session.get(url, allow_redirects=False) as resp:
-                    return resp.status, await resp.read()
-        except (TimeoutError, aiohttp.ClientError, OSError):
+                resp = await self.send(
+                    "GET", f"{parts.scheme}://{parts.netloc}", target.encode("latin-1"), b"", b"", timeout_s
+                )
+                try:
+                    body = await resp.read()
+                except BaseException:
+                    resp.abort()
+                    raise
+                resp.finish()
+                return resp.status, body
+        except (TimeoutError, UpstreamError):
             return None
 
     async def send(
         self,
         method: str,
-        url: URL,
-        headers: list[tuple[str, str]],
+        origin: str,
+        target: bytes,
+        header_lines: bytes,
         body: bytes,
-        first_byte_timeout_s: float | None,
+        first_byte_timeout_s: float | None = None,
     ) -> UpstreamResponse:
-        """Send a request and wait for the response head; errors mapped to the UpstreamError tree."""
-        timeout = (
-            self._settings.first_byte_timeout_s if first_byte_timeout_s is None else first_byte_timeout_s
-        )
+        """Send a request to `origin` (scheme://host:port) and wait for the response head.
+
+        `header_lines` are the request's own headers as `name: value\\r\\n` lines; Host and
+        Content-Length are set here. A kept-alive connection the backend closed before answering is
+        retried once on a fresh one, as browsers and Go's client do."""
+        s = self._settings
+        timeout = s.first_byte_timeout_s if first_byte_timeout_s is None else first_byte_timeout_s
+        pool = self._pool(origin)
+        m = method.encode("latin-1")
+        head = b"%s %s HTTP/1.1\r\nhost: %s\r\n%s" % (m, target, pool.origin.host_header, header_lines)
+        if body or m in _BODY_METHODS:
+            head += b"content-length: %d\r\n" % len(body)
+        data = head + b"\r\n" + body
+        for attempt in (0, 1):
+            conn = await pool.acquire(fresh=attempt > 0)
+            conn.start(data, head_only=m == b"HEAD")
+            try:
+                if not conn.head_done:
+                    await self._wait_head(conn, timeout)
+            except StaleConnection:
+                pool.release(conn)
+                if attempt == 0:
+                    continue
+                raise
+            except BaseException:
+                conn.close()
+                pool.release(conn)
+                raise
+            return UpstreamResponse(conn, pool, s.stream_idle_timeout_s)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    @staticmethod
+    async def _wait_head(conn: Connection, timeout_s: float) -> None:
+        fut = conn.wait()
+        loop = asyncio.get_running_loop()
+
+        def expire() -> None:
+            conn.fail(FirstByteTimeout(f"no response within {timeout_s:g} s"))
+
+        timer = loop.call_later(timeout_s, expire)
         try:
-            async with asyncio.timeout(timeout):
-                resp = await self.session.request(
-                    method, url, headers=headers, data=body or None, allow_redirects=False, compress=None
-                )
-        except aiohttp.ServerTimeoutError as exc:
-            # aiohttp's connect timeout; it subclasses TimeoutError, so it must be caught first.
-            raise ConnectFailed("connect timed out") from exc
-        except TimeoutError as exc:
-            raise FirstByteTimeout(f"no response within {timeout:g} s") from exc
-        except aiohttp.ClientConnectorError as exc:
-            raise ConnectFailed(f"connect failed: {type(exc).__name__}") from exc
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError) as exc:
-            raise NoAnswer(f"backend closed the connection: {type(exc).__name__}") from exc
-        except aiohttp.ClientResponseError as exc:  # unparsable response head
-            raise NoAnswer(f"invalid response from backend: {exc.message}") from exc
-        except aiohttp.ClientError as exc:
-            raise NoAnswer(f"upstream error: {type(exc).__name__}") from exc
-        return UpstreamResponse(resp, self._settings.stream_idle_timeout_s)
+            await fut
+        finally:
+            timer.cancel()

@@ -1,0 +1,363 @@
+"""HTTP/1.1 connections to backends, kept alive in one pool per backend origin.
+
+A purpose-built client on asyncio protocols and httptools' (llhttp's) response parser. The data path
+used aiohttp's client until measurement showed it was the largest single cost of a proxied request
+(README, "Why our own HTTP/1.1"); a relay needs only a small part of a general client: one request at
+a time per connection, bytes in, bytes out, and body chunks pushed to a sink as they arrive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import ssl
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httptools
+
+from prefix_router.errors import ConnectFailed, NoAnswer, StreamBroken, StreamIdleTimeout, UpstreamError
+from prefix_router.tcp import set_nodelay
+
+BodySink = Callable[[bytes], None]
+_NO_BODY_STATUSES = frozenset({204, 304})
+
+
+@dataclass(frozen=True, slots=True)
+class Origin:
+    """Where a backend listens, and the Host header its requests carry."""
+
+    scheme: str
+    host: str  # as connect() takes it: no brackets around IPv6
+    port: int
+    host_header: bytes
+
+    @classmethod
+    def parse(cls, origin: str) -> Origin:
+        scheme, _, rest = origin.partition("://")
+        hostport = rest.split("/", 1)[0]
+        if hostport.startswith("["):
+            host, _, port = hostport[1:].partition("]")
+            port = port.lstrip(":")
+        else:
+            host, _, port = hostport.rpartition(":") if ":" in hostport else (hostport, "", "")
+        default = 443 if scheme == "https" else 80
+        number = int(port) if port else default
+        return cls(scheme, host, number, hostport.encode("latin-1"))
+
+
+class StaleConnection(UpstreamError):
+    """A kept-alive connection closed before any byte of the answer: the request may be resent once."""
+
+    kind = "no_answer"
+
+
+class Connection(asyncio.Protocol):
+    """One TCP connection to a backend, carrying one request at a time."""
+
+    def __init__(self, pool: Pool) -> None:
+        self._pool = pool
+        self._loop = pool.loop
+        self.transport: asyncio.Transport | None = None
+        self._parser = httptools.HttpResponseParser(self)
+        self.closed = False
+        self.reused = False
+        self.idle_since = 0.0
+        self.last_data = 0.0
+        self.reading_paused = False
+        self._idle_s = 0.0
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self.status = 0
+        self.raw_headers: list[tuple[bytes, bytes]] = []
+        self.head_done = False
+        self.complete = False
+        self.keep_alive = True
+        self._head_only = False
+        self._has_length = False
+        self.error: UpstreamError | None = None
+        self.buffered: list[bytes] = []
+        self.sink: BodySink | None = None
+        self.on_first: Callable[[], None] | None = None
+        self.got_body = False
+        self.waiter: asyncio.Future[None] | None = None
+        self._got_bytes = False
+
+    # -- the request -----------------------------------------------------------------------------
+
+    def start(self, data: bytes, head_only: bool) -> None:
+        self._reset()
+        self._head_only = head_only
+        if self.closed or self.transport is None:
+            error = StaleConnection if self.reused else NoAnswer
+            self.error = error("connection closed before the request was sent")
+            return
+        self.transport.write(data)
+
+    def wait(self) -> asyncio.Future[None]:
+        """A future set when the awaited step (head or body end) is reached or the connection fails."""
+        fut = self._loop.create_future()
+        if self.error is not None:
+            fut.set_exception(self.error)
+        self.waiter = fut
+        return fut
+
+    def _wake(self) -> None:
+        fut = self.waiter
+        if fut is not None:
+            self.waiter = None
+            if not fut.done():
+                if self.error is not None:
+                    fut.set_exception(self.error)
+                else:
+                    fut.set_result(None)
+
+    def fail(self, error: UpstreamError) -> None:
+        if self.error is None and not self.complete:
+            self.error = error
+        self.close()
+        self._wake()
+
+    def close(self) -> None:
+        self.unwatch_idle()
+        if not self.closed:
+            self.closed = True
+            if self.transport is not None:
+                self.transport.close()
+            self._pool.forget(self)
+
+    def pause_reading(self) -> None:
+        """The client reads slower than the backend writes: let TCP push back on the backend."""
+        if not self.reading_paused and self.transport is not None and not self.closed:
+            self.reading_paused = True
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self.reading_paused and self.transport is not None and not self.closed:
+            self.reading_paused = False
+            self.transport.resume_reading()
+
+    def watch_idle(self, idle_s: float) -> None:
+        """Fail the body when nothing arrived for idle_s, not counting time a slow client held us."""
+        self._idle_s = idle_s
+        self._idle_timer = self._loop.call_later(idle_s, self._check_idle)
+
+    def unwatch_idle(self) -> None:
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+
+    def _check_idle(self) -> None:
+        self._idle_timer = None
+        if self.complete or self.closed:
+            return
+        now = self._loop.time()
+        if self.reading_paused:
+            self.last_data = now
+        left = self.last_data + self._idle_s - now
+        if left > 0:
+            self._idle_timer = self._loop.call_at(now + left, self._check_idle)
+            return
+        self.fail(StreamIdleTimeout(f"no chunk within {self._idle_s:g} s"))
+
+    # -- asyncio.Protocol ------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        set_nodelay(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self.complete or self.closed or (self._head_only and self.head_done):
+            self.close()  # bytes nobody asked for: the connection cannot be trusted for another request
+            return
+        self._got_bytes = True
+        self.last_data = self._loop.time()
+        try:
+            self._parser.feed_data(data)
+            if self._head_only and self.head_done:
+                # llhttp cannot be told that a HEAD answer has no body: a fresh parser reads the next.
+                self._parser = httptools.HttpResponseParser(self)
+        except httptools.HttpParserError as exc:
+            if self.head_done:
+                self.fail(StreamBroken(f"invalid response body from backend: {exc}"))
+            else:
+                self.fail(NoAnswer(f"invalid response from backend: {exc}"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        was_closed = self.closed
+        self.closed = True
+        self._pool.forget(self)
+        if self.complete or (was_closed and self.waiter is None):
+            return
+        if not self.head_done:
+            if self.reused and not self._got_bytes:
+                self.fail(StaleConnection("kept-alive connection closed by the backend"))
+            else:
+                self.fail(NoAnswer("backend closed the connection before answering"))
+        elif exc is None and self._close_delimited():
+            self.on_message_complete()
+        else:
+            self.fail(StreamBroken("backend closed the connection mid-body"))
+
+    def pause_writing(self) -> None:  # the request body is bounded by max_body_bytes: buffer it
+        pass
+
+    def resume_writing(self) -> None:
+        pass
+
+    # -- httptools callbacks ---------------------------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.raw_headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        status = self._parser.get_status_code()
+        if 100 <= status < 200:  # an interim answer (103 Early Hints): the real one follows
+            self.raw_headers = []
+            return
+        self.status = status
+        self.keep_alive = self._parser.should_keep_alive()
+        framed = (b"content-length", b"transfer-encoding")
+        self._has_length = any(n.lower() in framed for n, _ in self.raw_headers)
+        self.head_done = True
+        if self._head_only or status in _NO_BODY_STATUSES:
+            self.complete = True
+        self._wake()
+
+    def on_body(self, body: bytes) -> None:
+        sink = self.sink
+        if sink is None:
+            self.buffered.append(body)
+            return
+        if not self.got_body:
+            self.got_body = True
+            if self.on_first is not None:
+                self.on_first()
+        sink(body)
+
+    def on_message_complete(self) -> None:
+        if not self.head_done:
+            return  # the end of an interim 1xx answer
+        self.complete = True
+        self._wake()
+
+    def _close_delimited(self) -> bool:
+        return not self._has_length
+
+
+@dataclass(slots=True)
+class Pool:
+    """Kept-alive connections to one origin; at most `limit` open at once."""
+
+    origin: Origin
+    loop: asyncio.AbstractEventLoop
+    limit: int
+    keepalive_s: float
+    connect_timeout_s: float
+    ssl_context: ssl.SSLContext | None
+    idle: collections.deque[Connection] = field(default_factory=collections.deque)
+    busy: set[Connection] = field(default_factory=set)
+    waiters: collections.deque[asyncio.Future[None]] = field(default_factory=collections.deque)
+    _sweep: asyncio.TimerHandle | None = None
+
+    @property
+    def open(self) -> int:
+        return len(self.idle) + len(self.busy)
+
+    async def acquire(self, fresh: bool = False) -> Connection:
+        while True:
+            now = self.loop.time()
+            while self.idle and not fresh:
+                conn = self.idle.pop()
+                if conn.closed or now - conn.idle_since > self.keepalive_s:
+                    conn.close()
+                    continue
+                conn.reused = True
+                self.busy.add(conn)
+                return conn
+            if self.open < self.limit:
+                return await self._connect()
+            fut = self.loop.create_future()
+            self.waiters.append(fut)
+            try:
+                await fut
+            finally:
+                if not fut.done():
+                    fut.cancel()
+
+    async def _connect(self) -> Connection:
+        o = self.origin
+        conn = Connection(self)
+        self.busy.add(conn)  # counts against the limit while connecting
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                await self.loop.create_connection(
+                    lambda: conn,
+                    o.host,
+                    o.port,
+                    ssl=self.ssl_context,
+                    server_hostname=o.host if self.ssl_context is not None else None,
+                )
+        except TimeoutError as exc:
+            self.forget(conn)
+            raise ConnectFailed("connect timed out") from exc
+        except (OSError, ssl.SSLError) as exc:
+            self.forget(conn)
+            raise ConnectFailed(f"connect failed: {type(exc).__name__}") from exc
+        except BaseException:
+            self.forget(conn)
+            conn.close()
+            raise
+        return conn
+
+    def release(self, conn: Connection) -> None:
+        """Back to the pool if the answer was read whole and both sides keep the connection."""
+        self.busy.discard(conn)
+        if conn.closed:
+            self._wake_one()
+            return
+        if conn.complete and conn.keep_alive and conn.error is None and not conn.reading_paused:
+            conn.idle_since = self.loop.time()
+            conn.sink = None
+            conn.on_first = None
+            self.idle.append(conn)
+            if self._sweep is None:
+                self._sweep = self.loop.call_later(self.keepalive_s, self._close_expired)
+        else:
+            conn.close()
+        self._wake_one()
+
+    def forget(self, conn: Connection) -> None:
+        """A closed connection leaves the pool, wherever it was."""
+        self.busy.discard(conn)
+        with contextlib.suppress(ValueError):
+            self.idle.remove(conn)
+        self._wake_one()
+
+    def _wake_one(self) -> None:
+        while self.waiters:
+            fut = self.waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                return
+
+    def _close_expired(self) -> None:
+        """Idle connections past keepalive_s are closed, oldest first, not left for the backend to."""
+        self._sweep = None
+        now = self.loop.time()
+        while self.idle and now - self.idle[0].idle_since >= self.keepalive_s:
+            self.idle.popleft().close()
+        if self.idle:
+            self._sweep = self.loop.call_at(self.idle[0].idle_since + self.keepalive_s, self._close_expired)
+
+    def close(self) -> None:
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
+        for conn in list(self.idle) + list(self.busy):
+            conn.close()
+        self.idle.clear()
+        self.busy.clear()
