@@ -161,7 +161,9 @@ class UpstreamSettings(_Section):
     stream_idle_timeout_s: float = Field(120.0, gt=0)  # between chunks; never a total deadline
     max_connections: int = Field(4096, ge=1)
     max_connections_per_backend: int = Field(1024, ge=1)
-    keepalive_timeout_s: float = Field(30.0, gt=0)
+    # An idle pooled connection is closed after this; below vLLM's (uvicorn's) own 5 s, so the router
+    # closes first instead of racing the backend's close with a new request.
+    keepalive_timeout_s: float = Field(4.0, gt=0)
     max_attempts: int = Field(3, ge=1, le=10)  # first try included
     retry_budget_ratio: float = Field(0.2, ge=0, le=1)  # retries at once, as a share of active requests
     retry_budget_min: int = Field(3, ge=0)  # retries always allowed at once, however few are active

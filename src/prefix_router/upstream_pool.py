@@ -22,6 +22,12 @@ from prefix_router.tcp import set_nodelay
 
 BodySink = Callable[[bytes], None]
 _NO_BODY_STATUSES = frozenset({204, 304})
+MAX_HEAD_BYTES = 65536  # a backend's response head; over it the answer is refused (nginx: 4-8 KB buffers)
+
+
+class _Refused(Exception):
+    """Raised from a parser callback to stop parsing an answer the router refuses (the parser
+    re-raises it as HttpParserCallbackError; the reason travels in Connection.refusal)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +79,8 @@ class Connection(asyncio.Protocol):
     def _reset(self) -> None:
         self.status = 0
         self.raw_headers: list[tuple[bytes, bytes]] = []
+        self._head_bytes = 0
+        self.refusal: str | None = None
         self.head_done = False
         self.complete = False
         self.keep_alive = True
@@ -180,8 +188,12 @@ class Connection(asyncio.Protocol):
             if self._head_only and self.head_done:
                 # llhttp cannot be told that a HEAD answer has no body: a fresh parser reads the next.
                 self._parser = httptools.HttpResponseParser(self)
+        except httptools.HttpParserUpgrade:
+            self.fail(NoAnswer("backend switched protocols unasked"))
         except httptools.HttpParserError as exc:
-            if self.head_done:
+            if self.refusal is not None:
+                self.fail(NoAnswer(self.refusal))
+            elif self.head_done:
                 self.fail(StreamBroken(f"invalid response body from backend: {exc}"))
             else:
                 self.fail(NoAnswer(f"invalid response from backend: {exc}"))
@@ -211,10 +223,17 @@ class Connection(asyncio.Protocol):
     # -- httptools callbacks ---------------------------------------------------------------------
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_bytes += len(name) + len(value) + 4
+        if self._head_bytes > MAX_HEAD_BYTES:
+            self.refusal = f"backend's response head is over {MAX_HEAD_BYTES} bytes"
+            raise _Refused
         self.raw_headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         status = self._parser.get_status_code()
+        if status == 101:
+            self.refusal = "backend switched protocols (101) to a request that asked for none"
+            raise _Refused
         if 100 <= status < 200:  # an interim answer (103 Early Hints): the real one follows
             self.raw_headers = []
             return
