@@ -233,11 +233,10 @@ class HttpProtocol(asyncio.Protocol):
             # WebSocket and h2c upgrades are not proxied; the request itself is answered as HTTP/1.1
             # (RFC 9110 §7.8 lets a server ignore Upgrade), and the connection closes after it.
             self._upgraded = True
-            for ex in self._queue:
-                ex.keep_alive = False
-            if self._current is not None:
-                self._current.keep_alive = False
-            if not self._queue and self._current is None:
+            upgrading = self._queue[-1] if self._queue else self._current
+            if upgrading is not None:
+                upgrading.keep_alive = False  # the last request parsed is the one that asked
+            else:
                 self._reject(BadRequest("protocol upgrade without a complete request"))
         except httptools.HttpParserError as exc:
             if not self._rejected:
@@ -294,6 +293,8 @@ class HttpProtocol(asyncio.Protocol):
         self._count(len(url))
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if not self._in_head:
+            return  # a chunked body's trailer field: never a header of the request (nor a tenant)
         self._count(len(name) + len(value) + 4)
         self._headers.append((name.lower(), value))
 
@@ -464,10 +465,15 @@ class HttpProtocol(asyncio.Protocol):
             return
         self._reject(RequestTimeout(f"no request body bytes within {self._limits.body_timeout_s:g} s"))
 
+    @property
+    def busy(self) -> bool:
+        """A request is being answered, queued, or its body is still arriving."""
+        return self._current is not None or bool(self._queue) or self._in_body
+
     def shut_down(self) -> None:
         """Stop after the current response; an idle connection closes now."""
         self.closing = True
-        if self._current is None and self.transport is not None:
+        if not self.busy and self.transport is not None:
             self.transport.close()
 
 
@@ -502,7 +508,7 @@ class Listener:
         return ", ".join(names)
 
     def busy(self) -> int:
-        return sum(1 for c in self.connections if c._current is not None)
+        return sum(1 for c in self.connections if c.busy)
 
     async def shut_down(self, drain_timeout_s: float, forced: Callable[[], bool]) -> None:
         """Stop accepting, let requests in flight finish for up to drain_timeout_s (or until forced()),
@@ -516,6 +522,6 @@ class Listener:
             await asyncio.sleep(0.05)  # a poll: drains are rare and the condition has three parts
         for conn in list(self.connections):
             if conn.transport is not None:
-                conn.transport.close()
+                conn.transport.abort()  # past the drain: a client's unread buffer must not hold us
         for server in self._servers:
             await server.wait_closed()

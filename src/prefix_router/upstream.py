@@ -80,6 +80,7 @@ def response_headers(raw: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes, by
 
 
 _BODY_METHODS = frozenset({b"POST", b"PUT", b"PATCH"})
+_IDEMPOTENT = frozenset({b"GET", b"HEAD", b"PUT", b"DELETE", b"OPTIONS"})  # RFC 9110 §9.2.2
 
 
 class UpstreamResponse:
@@ -228,8 +229,10 @@ class Upstream:
         """Send a request to `origin` (scheme://host:port) and wait for the response head.
 
         `header_lines` are the request's own headers as `name: value\\r\\n` lines; Host and
-        Content-Length are set here. A kept-alive connection the backend closed before answering is
-        retried once on a fresh one, as browsers and Go's client do."""
+        Content-Length are set here. A kept-alive connection found closed before the request went out
+        is replaced by a fresh one; one that closed after it without a byte of answer (the backend's
+        idle close racing the request) is retried once on a fresh one for idempotent methods only
+        (RFC 9112 §9.3.1): a POST the backend may have read is never sent twice."""
         s = self._settings
         timeout = s.first_byte_timeout_s if first_byte_timeout_s is None else first_byte_timeout_s
         pool = self._pool(origin)
@@ -240,13 +243,13 @@ class Upstream:
         data = head + b"\r\n" + body
         for attempt in (0, 1):
             conn = await pool.acquire(fresh=attempt > 0)
-            conn.start(data, head_only=m == b"HEAD")
             try:
+                conn.start(data, head_only=m == b"HEAD")
                 if not conn.head_done:
                     await self._wait_head(conn, timeout)
             except StaleConnection:
                 pool.release(conn)
-                if attempt == 0:
+                if attempt == 0 and (not conn.wrote or m in _IDEMPOTENT):
                     continue
                 raise
             except BaseException:
@@ -262,7 +265,8 @@ class Upstream:
         loop = asyncio.get_running_loop()
 
         def expire() -> None:
-            conn.fail(FirstByteTimeout(f"no response within {timeout_s:g} s"))
+            if not conn.head_done:
+                conn.fail(FirstByteTimeout(f"no response within {timeout_s:g} s"))
 
         timer = loop.call_later(timeout_s, expire)
         try:

@@ -53,6 +53,11 @@ class Origin:
         return cls(scheme, host, number, hostport.encode("latin-1"))
 
 
+def _frames_body(name: bytes, value: bytes) -> bool:
+    """A Content-Length, or chunked coding: the body's end is known without the connection closing."""
+    return name == b"content-length" or (name == b"transfer-encoding" and b"chunked" in value.lower())
+
+
 class StaleConnection(UpstreamError):
     """A kept-alive connection closed before any byte of the answer: the request may be resent once."""
 
@@ -93,16 +98,18 @@ class Connection(asyncio.Protocol):
         self.got_body = False
         self.waiter: asyncio.Future[None] | None = None
         self._got_bytes = False
+        self.wrote = False
 
     # -- the request -----------------------------------------------------------------------------
 
     def start(self, data: bytes, head_only: bool) -> None:
         self._reset()
         self._head_only = head_only
-        if self.closed or self.transport is None:
+        if self.closed or self.transport is None or self.transport.is_closing():
             error = StaleConnection if self.reused else NoAnswer
             self.error = error("connection closed before the request was sent")
             return
+        self.wrote = True
         self.transport.write(data)
 
     def wait(self) -> asyncio.Future[None]:
@@ -191,7 +198,9 @@ class Connection(asyncio.Protocol):
         except httptools.HttpParserUpgrade:
             self.fail(NoAnswer("backend switched protocols unasked"))
         except httptools.HttpParserError as exc:
-            if self.refusal is not None:
+            if self.complete:
+                self.close()  # bytes after a whole answer: the answer stands, the connection does not
+            elif self.refusal is not None:
                 self.fail(NoAnswer(self.refusal))
             elif self.head_done:
                 self.fail(StreamBroken(f"invalid response body from backend: {exc}"))
@@ -222,7 +231,15 @@ class Connection(asyncio.Protocol):
 
     # -- httptools callbacks ---------------------------------------------------------------------
 
+    def on_message_begin(self) -> None:
+        if self.head_done:
+            # A second answer to one request: never relayed, and the connection is not reused.
+            self.keep_alive = False
+            raise _Refused
+
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self.head_done:
+            return  # a trailer field: not a header of the answer
         self._head_bytes += len(name) + len(value) + 4
         if self._head_bytes > MAX_HEAD_BYTES:
             self.refusal = f"backend's response head is over {MAX_HEAD_BYTES} bytes"
@@ -239,8 +256,11 @@ class Connection(asyncio.Protocol):
             return
         self.status = status
         self.keep_alive = self._parser.should_keep_alive()
-        framed = (b"content-length", b"transfer-encoding")
-        self._has_length = any(n.lower() in framed for n, _ in self.raw_headers)
+        self._has_length = any(
+            (n := name.lower()) == b"content-length"
+            or (n == b"transfer-encoding" and b"chunked" in v.lower())
+            for name, v in self.raw_headers
+        )
         self.head_done = True
         if self._head_only or status in _NO_BODY_STATUSES:
             self.complete = True
@@ -297,15 +317,19 @@ class Pool:
                 conn.reused = True
                 self.busy.add(conn)
                 return conn
+            if fresh and self.idle and self.open >= self.limit:
+                self.idle.popleft().close()  # a fresh connection may take the place of an idle one
             if self.open < self.limit:
                 return await self._connect()
             fut = self.loop.create_future()
             self.waiters.append(fut)
             try:
                 await fut
-            finally:
-                if not fut.done():
-                    fut.cancel()
+            except BaseException:
+                if fut.done() and not fut.cancelled():
+                    self._wake_one()  # woken, then cancelled: the wake goes to the next waiter
+                fut.cancel()
+                raise
 
     async def _connect(self) -> Connection:
         o = self.origin

@@ -252,6 +252,24 @@ async def test_http10_request_gets_a_complete_unchunked_answer_then_close(
         assert await closed_by_peer(reader), "HTTP/1.0 without keep-alive: the router closes"
 
 
+async def test_http10_client_gets_a_stream_close_delimited_never_chunked(
+    fake_backends: MakeBackends, router: MakeRouter
+) -> None:
+    backends = await fake_backends(1)
+    r = await router(router_settings(backends))
+    async with httpx.AsyncClient() as client:
+        direct = (await client.get(f"{backends[0].url}/stream?n=3")).content
+    for extra in ({}, {"Connection": "keep-alive"}):
+        async with connection(r.port) as (reader, writer):
+            writer.write(request("GET", "/stream?n=3", version="1.0", headers=extra))
+            resp = await read_response(reader)
+            assert resp.status == 200
+            # RFC 9112 §6.1: no Transfer-Encoding to an HTTP/1.0 client; the end of the body is the close.
+            assert not resp.values("transfer-encoding")
+            assert resp.framing == "close"
+            assert resp.body == direct
+
+
 async def test_connection_close_is_answered_then_closed_and_nothing_after_it_is_served(
     fake_backends: MakeBackends, router: MakeRouter
 ) -> None:
@@ -293,6 +311,29 @@ async def test_chunked_request_body_reaches_the_backend_whole_and_routes_like_co
             assert resp.json()["body"] == body.decode(), "the chunked body arrives whole"
             homes.add(resp.header("x-prefix-router-backend"))
             assert len(homes) == 1, "chunked framing must not change where a body routes"
+
+
+async def test_a_chunked_body_trailer_is_never_taken_as_a_request_header(
+    fake_backends: MakeBackends, router: MakeRouter
+) -> None:
+    # A trailer naming the tenant header (or X-Forwarded-For) must not pick a tenant or an address.
+    backends = await fake_backends(1)
+    r = await router(router_settings(backends))
+    body = chat("trailer")
+    wire = (
+        f"POST {CHAT} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        "Transfer-Encoding: chunked\r\nTrailer: x-prefix-cache-key\r\n\r\n"
+    ).encode() + b"%X\r\n%s\r\n0\r\nx-prefix-cache-key: victim\r\nx-forwarded-for: 6.6.6.6\r\n\r\n" % (
+        len(body),
+        body,
+    )
+    async with connection(r.port) as (reader, writer):
+        writer.write(wire)
+        resp = await read_response(reader)
+    assert resp.status == 200
+    seen = {k.lower(): v for k, v in resp.json()["headers"].items()}
+    assert "x-prefix-cache-key" not in seen
+    assert "6.6.6.6" not in seen.get("x-forwarded-for", "")
 
 
 async def test_expect_100_continue_gets_100_before_the_body(
@@ -540,6 +581,7 @@ TARGETS = [
     "/x?a=1&a=2&b=&=c",
     "/x?redirect=http://h/p?y=1",
     "/x?%E2%82%AC=%e2%82%ac",
+    "/x?",  # an empty query keeps its "?" (RFC 3986 §6.2.3)
 ]
 
 

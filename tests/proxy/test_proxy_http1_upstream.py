@@ -493,7 +493,6 @@ async def test_idempotent_request_survives_the_backend_closing_a_pooled_connecti
     # The worst moment of a keep-alive race: the backend's idle timer fires as the request lands, so
     # it reads the request and closes without a byte. RFC 9112 §9.3.1 lets a client retry an
     # idempotent request on a new connection then; the client of the router must never see it.
-    # (A POST caught so gets a 502 today: aiohttp retries idempotent methods only.)
     async def script(req: RawRequest, conn: RawConn) -> bool:
         if len(conn.requests) > 1:
             return False
@@ -507,6 +506,13 @@ async def test_idempotent_request_survives_the_backend_closing_a_pooled_connecti
         assert resp.content == b"answered"
     assert any(len(c.requests) == 2 for c in backend.conns), "the race was exercised"
     assert all(len(c.requests) <= 2 for c in backend.conns)
+
+    # A POST the backend read is never sent twice: it may have started generating. (The default
+    # upstream keep-alive, 4 s, is below vLLM's 5 s, so the router's close comes first.)
+    resp = await client.post(f"{r.url}/v1/completions", json={"prompt": "once"})
+    posts = [q for q in backend.requests if q.method == "POST" and b"once" in q.body]
+    assert resp.status_code == 502, "the kept-alive connection took the POST and closed"
+    assert len(posts) == 1, "a POST the backend read is not replayed"
 
 
 STALE_DELAYS_S = [0.18, 0.19, 0.195, 0.2, 0.2, 0.205, 0.21, 0.22, 0.25]
@@ -602,6 +608,15 @@ NOT_HTTP = {
         True,
     ),
     "header-without-colon": (b"HTTP/1.1 200 OK\r\nno colon here\r\ncontent-length: 0\r\n\r\n", True),
+    # A switch of protocol nobody asked for, and a head no relay should buffer (over 64 KiB).
+    "unasked-101": (
+        b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: upgrade\r\n\r\n",
+        True,
+    ),
+    "head-over-64KiB": (
+        b"HTTP/1.1 200 OK\r\nx-big: " + b"a" * 70_000 + b"\r\ncontent-length: 0\r\n\r\n",
+        True,
+    ),
 }
 
 
@@ -863,3 +878,25 @@ async def test_client_leaving_mid_body_closes_the_upstream_connection(raw: Start
     await asyncio.wait_for(backend.conns[0].eof.wait(), 5)
     await eventually(lambda: sum(r.inflight().values()) == 0)
     await eventually(lambda: r.app.upstream.pool_in_use() == 0)
+
+
+async def test_bytes_after_a_whole_answer_are_never_relayed_nor_read_as_the_next_answer(
+    raw: Start, client: httpx.AsyncClient
+) -> None:
+    # A second response (or stray bytes) after a complete one, in the same write: the first is the
+    # answer; the rest must not reach this client, nor be taken as the answer to the next request.
+    stray = b"HTTP/1.1 200 OK\r\ncontent-length: 8\r\n\r\nINJECTED"
+
+    async def script(req: RawRequest, conn: RawConn) -> bool:
+        await conn.send(ok(b"hello") + stray if req.target == "/first" else ok(b"second"))
+        return True
+
+    backend, r = await raw(script)
+    first = await client.get(f"{r.url}/first")
+    assert first.status_code == 200
+    assert first.content == b"hello"
+    assert first.headers.get_list("content-length") == ["5"]
+    second = await client.get(f"{r.url}/second")
+    assert second.content == b"second"
+    served_first = next(c for c in backend.conns if any(q.target == "/first" for q in c.requests))
+    assert [q.target for q in served_first.requests] == ["/first"], "that connection was not reused"
