@@ -106,23 +106,18 @@ class UpstreamResponse:
         StreamBroken on reset, StreamIdleTimeout after the idle timeout without a chunk. `on_wait`
         runs once if the body has to be waited for (a stream: send the head ahead of it)."""
         conn = self._conn
-        if conn.buffered:
-            data = b"".join(conn.buffered)
-            conn.buffered.clear()
-            conn.got_body = True
-            if on_first is not None:
-                on_first()
-            sink(data)
-        if conn.complete:
-            return
-        if conn.error is not None:
-            raise conn.error
-        if on_wait is not None:
-            on_wait()
         conn.sink = sink
         conn.on_first = on_first
-        conn.watch_idle(self._idle_s)
         try:
+            if conn.buffered:
+                conn.flush_body()
+            if conn.complete:
+                return
+            if conn.error is not None:
+                raise conn.error
+            if on_wait is not None:
+                on_wait()
+            conn.watch_idle(self._idle_s)
             await conn.wait()
         finally:
             conn.unwatch_idle()

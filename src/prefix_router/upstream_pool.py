@@ -190,22 +190,40 @@ class Connection(asyncio.Protocol):
             return
         self._got_bytes = True
         self.last_data = self._loop.time()
+        error: UpstreamError | None = None
         try:
             self._parser.feed_data(data)
             if self._head_only and self.head_done:
                 # llhttp cannot be told that a HEAD answer has no body: a fresh parser reads the next.
                 self._parser = httptools.HttpResponseParser(self)
         except httptools.HttpParserUpgrade:
-            self.fail(NoAnswer("backend switched protocols unasked"))
+            error = NoAnswer("backend switched protocols unasked")
         except httptools.HttpParserError as exc:
             if self.complete:
                 self.close()  # bytes after a whole answer: the answer stands, the connection does not
             elif self.refusal is not None:
-                self.fail(NoAnswer(self.refusal))
+                error = NoAnswer(self.refusal)
             elif self.head_done:
-                self.fail(StreamBroken(f"invalid response body from backend: {exc}"))
+                error = StreamBroken(f"invalid response body from backend: {exc}")
             else:
-                self.fail(NoAnswer(f"invalid response from backend: {exc}"))
+                error = NoAnswer(f"invalid response from backend: {exc}")
+        if self.buffered and self.sink is not None:
+            self.flush_body()
+        if error is not None:
+            self.fail(error)
+
+    def flush_body(self) -> None:
+        """Everything one read brought goes to the sink as one piece: one write to the client for
+        several SSE events that arrived together, not one per chunk of the backend's framing."""
+        assert self.sink is not None
+        pieces = self.buffered
+        data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        pieces.clear()
+        if not self.got_body:
+            self.got_body = True
+            if self.on_first is not None:
+                self.on_first()
+        self.sink(data)
 
     def connection_lost(self, exc: Exception | None) -> None:
         was_closed = self.closed
@@ -267,15 +285,7 @@ class Connection(asyncio.Protocol):
         self._wake()
 
     def on_body(self, body: bytes) -> None:
-        sink = self.sink
-        if sink is None:
-            self.buffered.append(body)
-            return
-        if not self.got_body:
-            self.got_body = True
-            if self.on_first is not None:
-                self.on_first()
-        sink(body)
+        self.buffered.append(body)  # handed on once the read is parsed (flush_body)
 
     def on_message_complete(self) -> None:
         if not self.head_done:
