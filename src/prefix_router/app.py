@@ -13,6 +13,7 @@ import contextlib
 import hmac
 import logging
 import random
+import time
 from typing import Any
 
 import orjson
@@ -34,6 +35,7 @@ from prefix_router.settings import Settings, normalise_backend_url
 from prefix_router.upstream import Upstream
 
 log = logging.getLogger("prefix_router")
+access_log = logging.getLogger("prefix_router.access")
 
 LOCAL_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 _JSON = b"application/json"
@@ -101,6 +103,9 @@ class RouterApp:
         self.metrics = RouterMetrics(self.registry, self.snapshot)
         self.proxy = Proxy(settings, self.backends, self.picker, self.upstream, self.metrics, rng)
         self.draining = False
+        self._access_log = settings.server.access_log
+        if self._access_log:
+            access_log.setLevel(logging.INFO)  # shown whatever log_level says: it was asked for
         self._known: set[str] = set(b.url for b in self.backends.backends())
         self.backends.on_change(self._membership_changed)
         self._tasks: list[asyncio.Task[None]] = []
@@ -110,6 +115,32 @@ class RouterApp:
     # -- the main port -------------------------------------------------------------------------
 
     async def handle(self, ex: Exchange) -> None:
+        if not self._access_log:
+            await self._answer(ex)
+            return
+        started = time.perf_counter()
+        try:
+            await self._answer(ex)
+        finally:
+            self._log_access(ex, time.perf_counter() - started)
+
+    def _log_access(self, ex: Exchange, duration_s: float) -> None:
+        """One line per request; 499 for a client that left first, as nginx logs it. Never a body,
+        a tenant, or a header value."""
+        status = 499 if ex.client_gone else ex.status
+        access_log.info(
+            '%s "%s %s HTTP/%s" %d backend=%s branch=%s ms=%.1f',
+            ex.client_ip or "-",
+            ex.method,
+            ex.target.decode("latin-1"),
+            "1.1" if ex.http_11 else "1.0",
+            status,
+            ex.backend or "-",
+            ex.branch or "-",
+            duration_s * 1000,
+        )
+
+    async def _answer(self, ex: Exchange) -> None:
         if ex.path in LOCAL_PATHS:
             if ex.method in ("GET", "HEAD"):
                 ex.respond(*self.local_answer(ex.path))
@@ -196,6 +227,7 @@ class RouterApp:
             self.picker.forget(gone)
             self.metrics.forget_backend(gone)
             self.backends.load.clear_external(gone)
+            self.upstream.forget(gone)
         self._known = now
 
     # -- local routes and admin ----------------------------------------------------------------

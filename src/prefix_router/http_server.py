@@ -54,6 +54,7 @@ class ListenerLimits:
     max_body_bytes: int
     body_timeout_s: float
     keepalive_timeout_s: float
+    send_timeout_s: float
 
 
 class Exchange:
@@ -63,7 +64,9 @@ class Exchange:
         "_conn",
         "_head",
         "_mode",
+        "backend",
         "body",
+        "branch",
         "client_gone",
         "client_ip",
         "complete",
@@ -77,6 +80,7 @@ class Exchange:
         "raw_path",
         "scheme",
         "started",
+        "status",
         "target",
     )
 
@@ -108,12 +112,16 @@ class Exchange:
         self.started = False
         self.complete = False
         self.flow: FlowControl | None = None
+        self.status = 0
+        self.backend: str | None = None  # for the access log: who answered, on which branch
+        self.branch: str | None = None
         self._head = b""
         self._mode = _NONE
 
     def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         """Frame the response; its head leaves with the first body bytes, or on flush()."""
         self.started = True
+        self.status = status
         keep_alive = self.keep_alive and not self._conn.closing
         has_length = False
         lines = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b""))]
@@ -200,6 +208,7 @@ class HttpProtocol(asyncio.Protocol):
         self._current: Exchange | None = None
         self._task: asyncio.Task[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._stall_timer: asyncio.TimerHandle | None = None
         self._rejected = False
         self._reading = True
         self._paused_writing = False
@@ -244,6 +253,9 @@ class HttpProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
         self._listener.connections.discard(self)
         self.closing = True
         self._queue.clear()
@@ -257,12 +269,17 @@ class HttpProtocol(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self._paused_writing = True
+        if self._stall_timer is None:
+            self._stall_timer = self._loop.call_later(self._limits.send_timeout_s, self._send_stalled)
         current = self._current
         if current is not None and current.flow is not None:
             current.flow.pause_reading()
 
     def resume_writing(self) -> None:
         self._paused_writing = False
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
         current = self._current
         if current is not None and current.flow is not None:
             current.flow.resume_reading()
@@ -447,6 +464,13 @@ class HttpProtocol(asyncio.Protocol):
         self._timer = None
         if self._current is None and not self._queue and self.transport is not None:
             self.transport.close()
+
+    def _send_stalled(self) -> None:
+        """The client took nothing for send_timeout_s: drop it, which cancels its backend request."""
+        self._stall_timer = None
+        if self._paused_writing and self.transport is not None:
+            log.info("client %s read nothing for %g s: closing", self.client_ip, self._limits.send_timeout_s)
+            self.transport.abort()
 
     def _head_timed_out(self) -> None:
         self._timer = None

@@ -255,6 +255,8 @@ class Proxy:
     ) -> None:
         """Relay the response as it arrives; on any exit but the end, drop the upstream connection."""
         series = self._metrics.backend(backend)
+        ex.backend = backend
+        ex.branch = branch.value
         headers = resp.headers
         if self._settings.server.backend_header:
             headers.append((BACKEND_HEADER, backend.encode("latin-1")))

@@ -54,6 +54,7 @@ def listener_limits(s: ServerSettings) -> ListenerLimits:
         head_timeout_s=s.header_timeout_s,
         max_body_bytes=s.max_body_bytes,
         body_timeout_s=s.body_timeout_s,
+        send_timeout_s=s.send_timeout_s,
         keepalive_timeout_s=KEEPALIVE_TIMEOUT_S,
     )
 

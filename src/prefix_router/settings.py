@@ -46,6 +46,10 @@ class ServerSettings(_Section):
     max_header_bytes: int = Field(65536, ge=1024)  # total request-head size; over it -> 431
     header_timeout_s: float = Field(10.0, gt=0)  # slowloris bound for the request head -> 408
     body_timeout_s: float = Field(30.0, gt=0)  # slowloris bound between body chunks -> 408
+    # A client that takes nothing of a response for this long is disconnected, and its backend
+    # request cancelled with it (nginx's send_timeout): a stalled reader must not hold a GPU slot.
+    send_timeout_s: float = Field(60.0, gt=0)
+    access_log: bool = False  # one line per request on logger prefix_router.access (INFO)
     backend_header: bool = True  # add x-prefix-router-backend naming the backend that answered
     metrics_port: int | None = Field(None, ge=0, le=65535)  # None: /metrics on the main port only
     admin_host: str = "127.0.0.1"  # the admin listener is private by default

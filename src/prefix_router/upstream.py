@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 from prefix_router.errors import FirstByteTimeout, UpstreamError
 from prefix_router.settings import UpstreamSettings
-from prefix_router.upstream_pool import BodySink, Connection, Origin, Pool, StaleConnection
+from prefix_router.upstream_pool import BodySink, Connection, ConnectionBudget, Origin, Pool, StaleConnection
 
 # RFC 9110 §7.6.1 hop-by-hop fields, plus what the relay re-frames itself.
 HOP_BY_HOP = frozenset(
@@ -154,6 +154,7 @@ class Upstream:
     def __init__(self, settings: UpstreamSettings) -> None:
         self._settings = settings
         self._pools: dict[str, Pool] = {}
+        self._budget = ConnectionBudget(settings.max_connections)
         self._ssl: ssl.SSLContext | None = None
         self._open = False
 
@@ -165,6 +166,15 @@ class Upstream:
         for pool in self._pools.values():
             pool.close()
         self._pools.clear()
+        self._budget.pools.clear()
+
+    def forget(self, origin: str) -> None:
+        """A backend left the fleet: its idle connections close; busy ones finish, then close idle."""
+        pool = self._pools.pop(origin, None)
+        if pool is not None:
+            self._budget.pools.remove(pool)
+            while pool.idle:
+                pool.idle.pop().close()
 
     def pool_in_use(self) -> int:
         """Connections checked out of the pools (for leak checks)."""
@@ -189,8 +199,10 @@ class Upstream:
                 keepalive_s=s.keepalive_timeout_s,
                 connect_timeout_s=s.connect_timeout_s,
                 ssl_context=context,
+                budget=self._budget,
             )
             self._pools[origin] = pool
+            self._budget.pools.append(pool)
         return pool
 
     async def fetch(self, url: str, timeout_s: float) -> tuple[int, bytes] | None:

@@ -76,6 +76,7 @@ class Connection(asyncio.Protocol):
         self.reused = False
         self.idle_since = 0.0
         self.last_data = 0.0
+        self.counted = False  # against the ConnectionBudget, until it closes
         self.reading_paused = False
         self._idle_s = 0.0
         self._idle_timer: asyncio.TimerHandle | None = None
@@ -298,6 +299,42 @@ class Connection(asyncio.Protocol):
 
 
 @dataclass(slots=True)
+class ConnectionBudget:
+    """The process-wide bound on open upstream connections (upstream.max_connections), over all pools."""
+
+    limit: int
+    pools: list[Pool] = field(default_factory=list)
+    open: int = 0
+    waiters: collections.deque[asyncio.Future[None]] = field(default_factory=collections.deque)
+
+    def has_room(self) -> bool:
+        """Room for one more connection, closing the longest-idle one of any pool if need be."""
+        if self.open < self.limit:
+            return True
+        holders = [p for p in self.pools if p.idle]
+        if holders:
+            min(holders, key=lambda p: p.idle[0].idle_since).idle.popleft().close()
+        return self.open < self.limit
+
+    def opened(self, conn: Connection) -> None:
+        self.open += 1
+        conn.counted = True
+
+    def closed(self, conn: Connection) -> None:
+        if conn.counted:
+            conn.counted = False
+            self.open -= 1
+            self.wake_one()
+
+    def wake_one(self) -> None:
+        while self.waiters:
+            fut = self.waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                return
+
+
+@dataclass(slots=True)
 class Pool:
     """Kept-alive connections to one origin; at most `limit` open at once."""
 
@@ -307,6 +344,7 @@ class Pool:
     keepalive_s: float
     connect_timeout_s: float
     ssl_context: ssl.SSLContext | None
+    budget: ConnectionBudget
     idle: collections.deque[Connection] = field(default_factory=collections.deque)
     busy: set[Connection] = field(default_factory=set)
     waiters: collections.deque[asyncio.Future[None]] = field(default_factory=collections.deque)
@@ -329,22 +367,29 @@ class Pool:
                 return conn
             if fresh and self.idle and self.open >= self.limit:
                 self.idle.popleft().close()  # a fresh connection may take the place of an idle one
-            if self.open < self.limit:
+            below_own = self.open < self.limit
+            if below_own and self.budget.has_room():
                 return await self._connect()
             fut = self.loop.create_future()
-            self.waiters.append(fut)
+            queue = self.budget.waiters if below_own else self.waiters
+            queue.append(fut)
             try:
                 await fut
             except BaseException:
                 if fut.done() and not fut.cancelled():
-                    self._wake_one()  # woken, then cancelled: the wake goes to the next waiter
+                    # Woken, then cancelled: the wake goes on to whoever waits next.
+                    if below_own:
+                        self.budget.wake_one()
+                    else:
+                        self._wake_one()
                 fut.cancel()
                 raise
 
     async def _connect(self) -> Connection:
         o = self.origin
         conn = Connection(self)
-        self.busy.add(conn)  # counts against the limit while connecting
+        self.busy.add(conn)  # counts against the limits while connecting
+        self.budget.opened(conn)
         try:
             async with asyncio.timeout(self.connect_timeout_s):
                 await self.loop.create_connection(
@@ -377,6 +422,8 @@ class Pool:
             conn.sink = None
             conn.on_first = None
             self.idle.append(conn)
+            if self.budget.waiters:
+                self.budget.wake_one()  # at the global limit, an idle connection can make room
             if self._sweep is None:
                 self._sweep = self.loop.call_later(self.keepalive_s, self._close_expired)
         else:
@@ -385,6 +432,7 @@ class Pool:
 
     def forget(self, conn: Connection) -> None:
         """A closed connection leaves the pool, wherever it was."""
+        self.budget.closed(conn)
         self.busy.discard(conn)
         with contextlib.suppress(ValueError):
             self.idle.remove(conn)

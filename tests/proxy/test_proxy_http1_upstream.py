@@ -900,3 +900,35 @@ async def test_bytes_after_a_whole_answer_are_never_relayed_nor_read_as_the_next
     assert second.content == b"second"
     served_first = next(c for c in backend.conns if any(q.target == "/first" for q in c.requests))
     assert [q.target for q in served_first.requests] == ["/first"], "that connection was not reused"
+
+
+async def test_max_connections_bounds_upstream_connections_over_all_backends(router: Any) -> None:
+    gate = asyncio.Event()
+
+    async def script(req: RawRequest, conn: RawConn) -> bool:
+        await gate.wait()
+        await conn.send(ok(req.target.encode()))
+        return True
+
+    backends = [RawBackend(script, None), RawBackend(script, None)]
+    for backend in backends:
+        await backend.start()
+    try:
+        settings = router_settings(
+            [b.url for b in backends], upstream={"max_connections": 3}, balancing={"policy": "round_robin"}
+        )
+        r = await router(settings)
+        await eventually(lambda: all(b.health_probes >= 1 and b.open == 0 for b in backends))
+        async with httpx.AsyncClient(timeout=10) as c:
+            tasks = [asyncio.create_task(c.get(f"{r.url}/held/{i}")) for i in range(8)]
+            await eventually(lambda: sum(len(b.requests) for b in backends) == 3)
+            await asyncio.sleep(0.2)
+            assert sum(len(b.requests) for b in backends) == 3, "the rest wait for room under the limit"
+            assert sum(b.open for b in backends) <= 3
+            gate.set()
+            got = sorted([(await t).text for t in tasks])
+        assert got == sorted(f"/held/{i}" for i in range(8))
+        assert all(b.requests for b in backends), "both backends served"
+    finally:
+        for backend in backends:
+            await backend.stop()

@@ -1,12 +1,14 @@
-"""The router under uvicorn in front of fake backends: affinity, canonical routing, tenants, headers."""
+"""The router in front of fake backends: affinity, canonical routing, tenants, headers, access log."""
 
 from __future__ import annotations
 
 import json
+import logging
 from collections import Counter
 from typing import Any
 
 import httpx
+import pytest
 
 from routerkit import router_settings
 
@@ -229,3 +231,38 @@ async def test_http_client_sees_no_difference_but_the_header(fake_backends, rout
         v.pop(drop)
     assert d == v
     assert isinstance(via, httpx.Response)
+
+
+async def test_access_log_is_one_line_per_request_without_tenants_or_bodies(
+    fake_backends, router, client, caplog: pytest.LogCaptureFixture
+) -> None:
+    backends = await fake_backends(2)
+    r = await router(router_settings(backends, server={"access_log": True}))
+    caplog.set_level(logging.INFO, logger="prefix_router.access")
+    secret_prompt = "the prompt of a user"
+    resp = await client.post(
+        f"{r.url}/v1/chat/completions?trace=1",
+        json=chat(secret_prompt),
+        headers={"x-prefix-cache-key": "tenant-secret"},
+    )
+    assert resp.status_code == 200
+    refused = await client.request("TRACE", f"{r.url}/v1/chat/completions")
+    assert refused.status_code == 405
+    await client.get(f"{r.url}/healthz")
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == "prefix_router.access"]
+    assert len(lines) == 3, lines
+    chosen = resp.headers["x-prefix-router-backend"]
+    assert '"POST /v1/chat/completions?trace=1 HTTP/1.1" 200' in lines[0]
+    assert f"backend={chosen} branch=affinity ms=" in lines[0]
+    assert '"TRACE /v1/chat/completions HTTP/1.1" 405 backend=- branch=-' in lines[1]
+    assert '"GET /healthz HTTP/1.1" 200 backend=- branch=-' in lines[2]
+    for line in lines:
+        assert "tenant-secret" not in line and secret_prompt not in line
+
+
+async def test_access_log_is_off_by_default(fake_backends, router, client, caplog) -> None:
+    backends = await fake_backends(1)
+    r = await router(router_settings(backends))
+    caplog.set_level(logging.INFO, logger="prefix_router.access")
+    assert (await client.post(f"{r.url}/v1/chat/completions", json=chat("quiet"))).status_code == 200
+    assert not [rec for rec in caplog.records if rec.name == "prefix_router.access"]

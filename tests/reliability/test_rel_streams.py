@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import aiohttp
 
@@ -82,3 +83,46 @@ async def test_a_thousand_clients_aborting_mid_stream_leak_nothing(fake_backends
     tasks = [t for t in asyncio.all_tasks() if "prefix_router" in repr(t.get_coro()) and "proxy" in repr(t)]
     assert not [t for t in tasks if "_watch_disconnect" in repr(t.get_coro())], "no watcher task left behind"
     assert sum(b.cancelled for b in backends) == 1000, "every abort reached its backend"
+
+
+async def test_a_client_that_stops_reading_is_dropped_and_its_backend_request_cancelled(router) -> None:
+    # nginx's send_timeout: a reader that takes nothing must not hold a backend slot (and a lease)
+    # for ever. The backend streams without end; the client never reads.
+    closed = asyncio.Event()
+
+    async def endless(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        if head.startswith(b"GET /health "):  # the router's probe: answered, and not counted
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+            writer.close()
+            return
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        event = b"data: " + b"x" * 16_000 + b"\n\n"
+        try:
+            while True:
+                writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+                await writer.drain()
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            closed.set()
+            writer.close()
+
+    backend = await asyncio.start_server(endless, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{backend.sockets[0].getsockname()[1]}"
+    try:
+        r = await router(router_settings([url], server={"send_timeout_s": 0.5}))
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", r.port))
+        # A StreamReader that is never read stops taking bytes after 2 x limit: a stalled client.
+        _reader, writer = await asyncio.open_connection(sock=sock, limit=1024)
+        writer.write(b"GET /v1/stream HTTP/1.1\r\nhost: r\r\n\r\n")
+        await writer.drain()
+        await asyncio.wait_for(closed.wait(), 15)  # the router closed its upstream connection
+        await eventually(lambda: sum(r.inflight().values()) == 0)
+        assert r.app.upstream.pool_in_use() == 0
+        writer.close()
+    finally:
+        backend.close()
