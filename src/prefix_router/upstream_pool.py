@@ -298,6 +298,15 @@ class Connection(asyncio.Protocol):
         return not self._has_length
 
 
+def wake_first(waiters: collections.deque[asyncio.Future[None]]) -> None:
+    """Wake the first waiter still waiting (the others before it gave up)."""
+    while waiters:
+        fut = waiters.popleft()
+        if not fut.done():
+            fut.set_result(None)
+            return
+
+
 @dataclass(slots=True)
 class ConnectionBudget:
     """The process-wide bound on open upstream connections (upstream.max_connections), over all pools."""
@@ -327,11 +336,7 @@ class ConnectionBudget:
             self.wake_one()
 
     def wake_one(self) -> None:
-        while self.waiters:
-            fut = self.waiters.popleft()
-            if not fut.done():
-                fut.set_result(None)
-                return
+        wake_first(self.waiters)
 
 
 @dataclass(slots=True)
@@ -439,11 +444,7 @@ class Pool:
         self._wake_one()
 
     def _wake_one(self) -> None:
-        while self.waiters:
-            fut = self.waiters.popleft()
-            if not fut.done():
-                fut.set_result(None)
-                return
+        wake_first(self.waiters)
 
     def _close_expired(self) -> None:
         """Idle connections past keepalive_s are closed, oldest first, not left for the backend to."""
