@@ -150,11 +150,16 @@ def _append_message(parts: list[str], message: Any) -> None:
         parts.append(_MSG + _json_text(message))
         return
     role = message.get("role")
+    content = message.get("content")
+    if len(message) == 2 and isinstance(content, str) and isinstance(role, str):
+        parts.append(_MSG + role + _FIELD)  # most messages: a role and a string, only
+        parts.append(content)  # (not concatenated: the text is copied once, by the final join)
+        return
     parts.append(_MSG + (role if isinstance(role, str) else "") + _FIELD)
     name = message.get("name")
     if isinstance(name, str):
         parts.append(name + _FIELD)
-    _append_content(parts, message.get("content"))
+    _append_content(parts, content)
     for call_field in ("tool_calls", "function_call"):
         value = message.get(call_field)
         if value is not None:
