@@ -140,6 +140,15 @@ class RouterApp:
             duration_s * 1000,
         )
 
+    def log_rejected(self, client_ip: str | None, target: bytes, status: int) -> None:
+        """The access line of a request the listener refused before it was whole (400/408/413/431)."""
+        access_log.info(
+            '%s "- %s -" %d backend=- branch=- ms=-',
+            client_ip or "-",
+            target.decode("latin-1") or "-",
+            status,
+        )
+
     async def _answer(self, ex: Exchange) -> None:
         if ex.path in LOCAL_PATHS:
             if ex.method in ("GET", "HEAD"):
@@ -152,6 +161,11 @@ class RouterApp:
         except errors.RouterError as exc:
             if not ex.started:
                 ex.respond(*self.render_error(exc))
+        except Exception:
+            # A bug, not a backend's fault: logged, and answered here so the access log has the status.
+            log.exception("unhandled error answering %s %s", ex.method, ex.path)
+            if not ex.started and not ex.client_gone:
+                ex.respond(*self.render_error(errors.RouterError("internal error in the router")))
 
     def render_error(self, exc: errors.RouterError) -> ErrorParts:
         """An error the router answers itself, counted by its code."""

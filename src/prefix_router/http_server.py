@@ -35,6 +35,7 @@ log = logging.getLogger("prefix_router")
 
 ErrorParts = tuple[int, list[tuple[bytes, bytes]], bytes]
 ErrorRenderer = Callable[[RouterError], ErrorParts]
+RejectionLog = Callable[[str | None, bytes, int], None]  # client, target so far, status
 _REASONS = {s.value: s.phrase.encode() for s in http.HTTPStatus}
 _MAX_QUEUED = 8  # pipelined requests parsed ahead of the one being answered; then reading pauses
 _NONE, _LENGTH, _CHUNKED, _CLOSE = range(4)
@@ -443,6 +444,8 @@ class HttpProtocol(asyncio.Protocol):
             self._current.keep_alive = False
             return
         status, headers, body = self._listener.render_error(error)
+        if self._listener.on_rejected is not None:
+            self._listener.on_rejected(self.client_ip, self._url, status)
         head = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b""))]
         head += [b"%s: %s\r\n" % (n, v) for n, v in headers if n != b"connection"]
         head.append(b"connection: close\r\n\r\n")
@@ -504,8 +507,15 @@ class HttpProtocol(asyncio.Protocol):
 class Listener:
     """The HTTP/1.1 server of the main port: its connections, its handler, its shutdown."""
 
-    def __init__(self, handler: Handler, render_error: ErrorRenderer, limits: ListenerLimits) -> None:
+    def __init__(
+        self,
+        handler: Handler,
+        render_error: ErrorRenderer,
+        limits: ListenerLimits,
+        on_rejected: RejectionLog | None = None,
+    ) -> None:
         self.handler = handler
+        self.on_rejected = on_rejected
         self.render_error = render_error
         self.limits = limits
         self.loop = asyncio.get_running_loop()

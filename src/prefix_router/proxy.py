@@ -200,6 +200,8 @@ class Proxy:
                 raise
             backend = decision.backend_id
             branch = Branch.RETRY if retrying else decision.branch
+            ex.backend = backend
+            ex.branch = branch.value
             self._metrics.decided(branch)
             lease = self._backends.load.acquire(backend)
             if retrying:
@@ -255,8 +257,6 @@ class Proxy:
     ) -> None:
         """Relay the response as it arrives; on any exit but the end, drop the upstream connection."""
         series = self._metrics.backend(backend)
-        ex.backend = backend
-        ex.branch = branch.value
         headers = resp.headers
         if self._settings.server.backend_header:
             headers.append((BACKEND_HEADER, backend.encode("latin-1")))

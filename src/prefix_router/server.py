@@ -84,7 +84,8 @@ class RouterServer:
             self._exit = asyncio.Event()
         app, s = self.app, self.app.settings.server
         await app.start()
-        listener = Listener(app.handle, app.render_error, listener_limits(s))
+        on_rejected = app.log_rejected if s.access_log else None
+        listener = Listener(app.handle, app.render_error, listener_limits(s), on_rejected)
         try:
             if self._sockets:
                 for sock in self._sockets:

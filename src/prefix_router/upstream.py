@@ -155,6 +155,7 @@ class Upstream:
         self._settings = settings
         self._pools: dict[str, Pool] = {}
         self._budget = ConnectionBudget(settings.max_connections)
+        self._retired: list[Pool] = []  # forgotten pools whose last requests are still running
         self._ssl: ssl.SSLContext | None = None
         self._open = False
 
@@ -163,9 +164,10 @@ class Upstream:
 
     async def close(self) -> None:
         self._open = False
-        for pool in self._pools.values():
+        for pool in [*self._pools.values(), *self._retired]:
             pool.close()
         self._pools.clear()
+        self._retired.clear()
         self._budget.pools.clear()
 
     def forget(self, origin: str) -> None:
@@ -173,12 +175,16 @@ class Upstream:
         pool = self._pools.pop(origin, None)
         if pool is not None:
             self._budget.pools.remove(pool)
+            pool.retired = True
             while pool.idle:
                 pool.idle.pop().close()
+            if pool.busy:
+                self._retired.append(pool)
 
     def pool_in_use(self) -> int:
         """Connections checked out of the pools (for leak checks)."""
-        return sum(len(p.busy) for p in self._pools.values())
+        self._retired = [p for p in self._retired if p.busy]
+        return sum(len(p.busy) for p in [*self._pools.values(), *self._retired])
 
     def _pool(self, origin: str) -> Pool:
         pool = self._pools.get(origin)
@@ -212,7 +218,13 @@ class Upstream:
         try:
             async with asyncio.timeout(timeout_s):
                 resp = await self.send(
-                    "GET", f"{parts.scheme}://{parts.netloc}", target.encode("latin-1"), b"", b"", timeout_s
+                    "GET",
+                    f"{parts.scheme}://{parts.netloc}",
+                    target.encode("latin-1"),
+                    b"",
+                    b"",
+                    timeout_s,
+                    side=True,
                 )
                 try:
                     body = await resp.read()
@@ -232,6 +244,7 @@ class Upstream:
         header_lines: bytes,
         body: bytes,
         first_byte_timeout_s: float | None = None,
+        side: bool = False,
     ) -> UpstreamResponse:
         """Send a request to `origin` (scheme://host:port) and wait for the response head.
 
@@ -249,7 +262,7 @@ class Upstream:
             head += b"content-length: %d\r\n" % len(body)
         data = head + b"\r\n" + body
         for attempt in (0, 1):
-            conn = await pool.acquire(fresh=attempt > 0)
+            conn = await pool.acquire(fresh=attempt > 0, side=side)
             try:
                 conn.start(data, head_only=m == b"HEAD")
                 if not conn.head_done:

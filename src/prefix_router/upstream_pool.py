@@ -320,9 +320,12 @@ class ConnectionBudget:
         """Room for one more connection, closing the longest-idle one of any pool if need be."""
         if self.open < self.limit:
             return True
-        holders = [p for p in self.pools if p.idle]
+        # Not from a pool someone waits on: its idle connection is theirs.
+        holders = [p for p in self.pools if p.idle and not p.has_waiters()]
         if holders:
-            min(holders, key=lambda p: p.idle[0].idle_since).idle.popleft().close()
+            conn = min(holders, key=lambda p: p.idle[0].idle_since).idle.popleft()
+            self._uncount(conn)  # the room is the caller's: nobody else is woken for it
+            conn.close()
         return self.open < self.limit
 
     def opened(self, conn: Connection) -> None:
@@ -331,9 +334,13 @@ class ConnectionBudget:
 
     def closed(self, conn: Connection) -> None:
         if conn.counted:
+            self._uncount(conn)
+            self.wake_one()
+
+    def _uncount(self, conn: Connection) -> None:
+        if conn.counted:
             conn.counted = False
             self.open -= 1
-            self.wake_one()
 
     def wake_one(self) -> None:
         wake_first(self.waiters)
@@ -353,13 +360,20 @@ class Pool:
     idle: collections.deque[Connection] = field(default_factory=collections.deque)
     busy: set[Connection] = field(default_factory=set)
     waiters: collections.deque[asyncio.Future[None]] = field(default_factory=collections.deque)
+    retired: bool = False  # its backend left the fleet: connections close when their request ends
     _sweep: asyncio.TimerHandle | None = None
 
     @property
     def open(self) -> int:
         return len(self.idle) + len(self.busy)
 
-    async def acquire(self, fresh: bool = False) -> Connection:
+    def has_waiters(self) -> bool:
+        return any(not fut.done() for fut in self.waiters)
+
+    async def acquire(self, fresh: bool = False, side: bool = False) -> Connection:
+        """A connection for one request. `side` (health probes, load scrapes) is never made to wait
+        for room: a router busy at its limits must not read as a fleet of failing backends."""
+        woken = False
         while True:
             now = self.loop.time()
             while self.idle and not fresh:
@@ -372,12 +386,18 @@ class Pool:
                 return conn
             if fresh and self.idle and self.open >= self.limit:
                 self.idle.popleft().close()  # a fresh connection may take the place of an idle one
+            if side:
+                return await self._connect(counted=False)
             below_own = self.open < self.limit
             if below_own and self.budget.has_room():
                 return await self._connect()
             fut = self.loop.create_future()
             queue = self.budget.waiters if below_own else self.waiters
-            queue.append(fut)
+            if woken:
+                queue.appendleft(fut)  # woken and beaten to it: keep the place in the line
+            else:
+                queue.append(fut)
+            woken = True
             try:
                 await fut
             except BaseException:
@@ -390,11 +410,12 @@ class Pool:
                 fut.cancel()
                 raise
 
-    async def _connect(self) -> Connection:
+    async def _connect(self, counted: bool = True) -> Connection:
         o = self.origin
         conn = Connection(self)
         self.busy.add(conn)  # counts against the limits while connecting
-        self.budget.opened(conn)
+        if counted:
+            self.budget.opened(conn)
         try:
             async with asyncio.timeout(self.connect_timeout_s):
                 await self.loop.create_connection(
@@ -422,11 +443,15 @@ class Pool:
         if conn.closed:
             self._wake_one()
             return
-        if conn.complete and conn.keep_alive and conn.error is None and not conn.reading_paused:
+        reusable = conn.complete and conn.keep_alive and conn.error is None and not conn.reading_paused
+        if reusable and not self.retired:
             conn.idle_since = self.loop.time()
             conn.sink = None
             conn.on_first = None
             self.idle.append(conn)
+            if self.has_waiters():
+                self._wake_one()  # this pool's own waiter takes it
+                return
             if self.budget.waiters:
                 self.budget.wake_one()  # at the global limit, an idle connection can make room
             if self._sweep is None:

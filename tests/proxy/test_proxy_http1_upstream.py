@@ -915,7 +915,10 @@ async def test_max_connections_bounds_upstream_connections_over_all_backends(rou
         await backend.start()
     try:
         settings = router_settings(
-            [b.url for b in backends], upstream={"max_connections": 3}, balancing={"policy": "round_robin"}
+            [b.url for b in backends],
+            upstream={"max_connections": 3},
+            balancing={"policy": "round_robin"},
+            health={"interval_s": 0.05},
         )
         r = await router(settings)
         await eventually(lambda: all(b.health_probes >= 1 and b.open == 0 for b in backends))
@@ -925,6 +928,13 @@ async def test_max_connections_bounds_upstream_connections_over_all_backends(rou
             await asyncio.sleep(0.2)
             assert sum(len(b.requests) for b in backends) == 3, "the rest wait for room under the limit"
             assert sum(b.open for b in backends) <= 3
+            # Probes never wait for room: a router busy at its limit still sees a healthy fleet.
+            probes = [b.health_probes for b in backends]
+            await eventually(
+                lambda: all(b.health_probes > n + 2 for b, n in zip(backends, probes, strict=True))
+            )
+            assert all(b.state.value == "healthy" for b in r.app.backends.backends())
+            assert (await c.get(f"{r.url}/readyz")).status_code == 200
             gate.set()
             got = sorted([(await t).text for t in tasks])
         assert got == sorted(f"/held/{i}" for i in range(8))

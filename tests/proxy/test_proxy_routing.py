@@ -237,7 +237,7 @@ async def test_access_log_is_one_line_per_request_without_tenants_or_bodies(
     fake_backends, router, client, caplog: pytest.LogCaptureFixture
 ) -> None:
     backends = await fake_backends(2)
-    r = await router(router_settings(backends, server={"access_log": True}))
+    r = await router(router_settings(backends, server={"access_log": True, "max_body_bytes": 4096}))
     caplog.set_level(logging.INFO, logger="prefix_router.access")
     secret_prompt = "the prompt of a user"
     resp = await client.post(
@@ -249,13 +249,16 @@ async def test_access_log_is_one_line_per_request_without_tenants_or_bodies(
     refused = await client.request("TRACE", f"{r.url}/v1/chat/completions")
     assert refused.status_code == 405
     await client.get(f"{r.url}/healthz")
+    too_big = await client.post(f"{r.url}/v1/chat/completions", content=b"x" * 5000)
+    assert too_big.status_code == 413  # refused by the listener before the body is read
     lines = [rec.getMessage() for rec in caplog.records if rec.name == "prefix_router.access"]
-    assert len(lines) == 3, lines
+    assert len(lines) == 4, lines
     chosen = resp.headers["x-prefix-router-backend"]
     assert '"POST /v1/chat/completions?trace=1 HTTP/1.1" 200' in lines[0]
     assert f"backend={chosen} branch=affinity ms=" in lines[0]
     assert '"TRACE /v1/chat/completions HTTP/1.1" 405 backend=- branch=-' in lines[1]
     assert '"GET /healthz HTTP/1.1" 200 backend=- branch=-' in lines[2]
+    assert '"- /v1/chat/completions -" 413' in lines[3]
     for line in lines:
         assert "tenant-secret" not in line and secret_prompt not in line
 
