@@ -33,6 +33,7 @@ from prefix_router.routing.keys import RoutingKey, extract_key
 from prefix_router.routing.load import LoadTracker
 from prefix_router.routing.picker import Candidates, Picker
 from prefix_router.routing.ring import HashRing, Member
+from prefix_router.server import tune_gc
 from prefix_router.settings import Settings
 
 CHAT = "/v1/chat/completions"
@@ -160,6 +161,9 @@ def main() -> int:
         args.repeats, args.min_time = 3, 0.05
 
     settings = Settings()
+    # The collector as `prefix-router serve` runs it (server.tune_gc: start-up heap frozen, gen-0
+    # threshold 50,000): at CPython's default a decision also paid for frequent young collections.
+    tune_gc()
     vnodes = args.vnodes or settings.routing.vnodes
     cfg = settings.key_config()
     versions = {
