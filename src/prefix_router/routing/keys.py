@@ -19,7 +19,7 @@ import orjson
 
 from prefix_router.routing.canonical import NotCanonicalisable, canonical_bytes, canonical_prompt, parse_json
 from prefix_router.routing.config import KeyConfig, KeyMode
-from prefix_router.routing.hashing import encode_parts, hash_bytes, hash_parts, prefix_hashes
+from prefix_router.routing.hashing import encode_parts, hash_bytes, prefix_hashes
 
 OPENAI_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings"})
 
@@ -100,7 +100,7 @@ def _key(
     tenant_b = b"" if tenant is None else tenant.encode("utf-8", "surrogatepass")
     model_b = b"" if model is None else model.encode("utf-8", "surrogatepass")
     root = encode_parts(tenant_b, model_b)
-    ring = hash_parts(tenant_b, model_b, material)
+    ring = hash_bytes(root + encode_parts(material))  # == hash_parts(tenant_b, model_b, material)
     blocks = prefix_hashes(root, full, block_ends(config.block_bytes, config.max_key_bytes))
     return RoutingKey(ring, tuple(blocks), source, model, tenant, streaming)
 
