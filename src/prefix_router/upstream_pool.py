@@ -14,6 +14,7 @@ import contextlib
 import ssl
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 import httptools
 
@@ -41,16 +42,9 @@ class Origin:
 
     @classmethod
     def parse(cls, origin: str) -> Origin:
-        scheme, _, rest = origin.partition("://")
-        hostport = rest.split("/", 1)[0]
-        if hostport.startswith("["):
-            host, _, port = hostport[1:].partition("]")
-            port = port.lstrip(":")
-        else:
-            host, _, port = hostport.rpartition(":") if ":" in hostport else (hostport, "", "")
-        default = 443 if scheme == "https" else 80
-        number = int(port) if port else default
-        return cls(scheme, host, number, hostport.encode("latin-1"))
+        parts = urlsplit(origin)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        return cls(parts.scheme, parts.hostname or "", port, parts.netloc.encode("latin-1"))
 
 
 def _frames_body(name: bytes, value: bytes) -> bool:
@@ -275,11 +269,7 @@ class Connection(asyncio.Protocol):
             return
         self.status = status
         self.keep_alive = self._parser.should_keep_alive()
-        self._has_length = any(
-            (n := name.lower()) == b"content-length"
-            or (n == b"transfer-encoding" and b"chunked" in v.lower())
-            for name, v in self.raw_headers
-        )
+        self._has_length = any(_frames_body(name.lower(), v) for name, v in self.raw_headers)
         self.head_done = True
         if self._head_only or status in _NO_BODY_STATUSES:
             self.complete = True
