@@ -11,6 +11,15 @@ import contextlib
 from collections import deque
 
 
+def wake_first(waiters: deque[asyncio.Future[None]]) -> None:
+    """Wake the first waiter still waiting (the others before it gave up)."""
+    while waiters:
+        fut = waiters.popleft()
+        if not fut.done():
+            fut.set_result(None)
+            return
+
+
 class CapacityWaiters:
     """A bounded FIFO of requests waiting for any backend to drop below max_inflight."""
 
@@ -48,11 +57,7 @@ class CapacityWaiters:
                 fut.set_result(None)
 
     def wake_one(self) -> None:
-        while self._waiters:
-            fut = self._waiters.popleft()
-            if not fut.done():
-                fut.set_result(None)
-                return
+        wake_first(self._waiters)
 
 
 class PrefillEvents:

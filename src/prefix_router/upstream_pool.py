@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from prefix_router.admission import wake_first
 from prefix_router.errors import ConnectFailed, NoAnswer, StreamBroken, StreamIdleTimeout, UpstreamError
 from prefix_router.tcp import set_nodelay
 
@@ -286,15 +287,6 @@ class Connection(asyncio.Protocol):
 
     def _close_delimited(self) -> bool:
         return not self._has_length
-
-
-def wake_first(waiters: collections.deque[asyncio.Future[None]]) -> None:
-    """Wake the first waiter still waiting (the others before it gave up)."""
-    while waiters:
-        fut = waiters.popleft()
-        if not fut.done():
-            fut.set_result(None)
-            return
 
 
 @dataclass(slots=True)
