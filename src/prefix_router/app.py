@@ -13,7 +13,6 @@ import contextlib
 import hmac
 import logging
 import random
-import time
 from typing import Any
 
 import orjson
@@ -26,7 +25,7 @@ from prefix_router import errors
 from prefix_router.backends import BackendSet, BackendSpec, HealthPolicy
 from prefix_router.discovery import build_discovery
 from prefix_router.health import HealthProber
-from prefix_router.http_server import ErrorParts, Exchange
+from prefix_router.http_server import Exchange, ResponseParts
 from prefix_router.load_signal import LoadSignalScraper
 from prefix_router.metrics import BackendStatus, FleetSnapshot, RouterMetrics
 from prefix_router.proxy import Proxy
@@ -64,7 +63,7 @@ def error_code(exc: errors.RouterError) -> tuple[int, str, str]:
     return ERROR_TABLE[errors.RouterError]  # pragma: no cover - every RouterError has an ancestor entry
 
 
-def error_response_parts(exc: errors.RouterError) -> ErrorParts:
+def error_response_parts(exc: errors.RouterError) -> ResponseParts:
     """Status, headers and OpenAI-shaped JSON body for an error the router answers itself."""
     status, kind, code = error_code(exc)
     body = orjson.dumps({"error": {"message": str(exc), "type": kind, "code": code, "param": None}})
@@ -103,8 +102,7 @@ class RouterApp:
         self.metrics = RouterMetrics(self.registry, self.snapshot)
         self.proxy = Proxy(settings, self.backends, self.picker, self.upstream, self.metrics, rng)
         self.draining = False
-        self._access_log = settings.server.access_log
-        if self._access_log:
+        if settings.server.access_log:
             access_log.setLevel(logging.INFO)  # shown whatever log_level says: it was asked for
         self._known: set[str] = set(b.url for b in self.backends.backends())
         self.backends.on_change(self._membership_changed)
@@ -115,16 +113,21 @@ class RouterApp:
     # -- the main port -------------------------------------------------------------------------
 
     async def handle(self, ex: Exchange) -> None:
-        if not self._access_log:
-            await self._answer(ex)
+        if ex.path in LOCAL_PATHS:
+            if ex.method in ("GET", "HEAD"):
+                ex.respond(*self.local_answer(ex.path))
+            else:
+                ex.respond(*self.render_error(errors.MethodNotAllowed(f"{ex.path} answers GET only")))
             return
-        started = time.perf_counter()
         try:
-            await self._answer(ex)
-        finally:
-            self._log_access(ex, time.perf_counter() - started)
+            await self.proxy.handle(ex)
+        except errors.RouterError as exc:
+            if not ex.started:
+                ex.respond(*self.render_error(exc))
 
-    def _log_access(self, ex: Exchange, duration_s: float) -> None:
+    # -- the access log (http_server.AccessLog), when server.access_log is on --------------------
+
+    def answered(self, ex: Exchange, duration_s: float) -> None:
         """One line per request; 499 for a client that left first, as nginx logs it. Never a body,
         a tenant, or a header value."""
         status = 499 if ex.client_gone else ex.status
@@ -140,7 +143,7 @@ class RouterApp:
             duration_s * 1000,
         )
 
-    def log_rejected(self, client_ip: str | None, target: bytes, status: int) -> None:
+    def refused(self, client_ip: str | None, target: bytes, status: int) -> None:
         """The access line of a request the listener refused before it was whole (400/408/413/431)."""
         access_log.info(
             '%s "- %s -" %d backend=- branch=- ms=-',
@@ -149,31 +152,13 @@ class RouterApp:
             status,
         )
 
-    async def _answer(self, ex: Exchange) -> None:
-        if ex.path in LOCAL_PATHS:
-            if ex.method in ("GET", "HEAD"):
-                ex.respond(*self.local_answer(ex.path))
-            else:
-                ex.respond(*self.render_error(errors.MethodNotAllowed(f"{ex.path} answers GET only")))
-            return
-        try:
-            await self.proxy.handle(ex)
-        except errors.RouterError as exc:
-            if not ex.started:
-                ex.respond(*self.render_error(exc))
-        except Exception:
-            # A bug, not a backend's fault: logged, and answered here so the access log has the status.
-            log.exception("unhandled error answering %s %s", ex.method, ex.path)
-            if not ex.started and not ex.client_gone:
-                ex.respond(*self.render_error(errors.RouterError("internal error in the router")))
-
-    def render_error(self, exc: errors.RouterError) -> ErrorParts:
+    def render_error(self, exc: errors.RouterError) -> ResponseParts:
         """An error the router answers itself, counted by its code."""
         parts = error_response_parts(exc)
         self.metrics.router_errors.labels(error_code(exc)[2]).inc()
         return parts
 
-    def local_answer(self, path: str) -> ErrorParts:
+    def local_answer(self, path: str) -> ResponseParts:
         """(status, headers, body) of /healthz, /readyz or /metrics, on every port that serves them."""
         if path == "/metrics":
             body = generate_latest(self.registry)

@@ -15,6 +15,7 @@ import collections
 import http
 import logging
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -33,9 +34,17 @@ from prefix_router.tcp import set_nodelay
 
 log = logging.getLogger("prefix_router")
 
-ErrorParts = tuple[int, list[tuple[bytes, bytes]], bytes]
-ErrorRenderer = Callable[[RouterError], ErrorParts]
-RejectionLog = Callable[[str | None, bytes, int], None]  # client, target so far, status
+ResponseParts = tuple[int, list[tuple[bytes, bytes]], bytes]  # status, headers, body
+ErrorRenderer = Callable[[RouterError], ResponseParts]
+
+
+class AccessLog(Protocol):
+    """Told of every request the listener finished: answered, or refused before it was whole."""
+
+    def answered(self, ex: Exchange, duration_s: float) -> None: ...
+    def refused(self, client_ip: str | None, target: bytes, status: int) -> None: ...
+
+
 _REASONS = {s.value: s.phrase.encode() for s in http.HTTPStatus}
 _MAX_QUEUED = 8  # pipelined requests parsed ahead of the one being answered; then reading pauses
 _NONE, _LENGTH, _CHUNKED, _CLOSE = range(4)
@@ -401,6 +410,8 @@ class HttpProtocol(asyncio.Protocol):
         self._task = self._loop.create_task(self._run(ex))
 
     async def _run(self, ex: Exchange) -> None:
+        access = self._listener.access_log
+        started = time.perf_counter() if access is not None else 0.0  # (uvloop's clock ticks in ms)
         try:
             await self._listener.handler(ex)
         except asyncio.CancelledError:
@@ -411,6 +422,8 @@ class HttpProtocol(asyncio.Protocol):
             if not ex.started and not ex.client_gone:
                 ex.respond(*self._listener.render_error(RouterError("internal error in the router")))
         finally:
+            if access is not None:
+                access.answered(ex, time.perf_counter() - started)
             self._finished(ex)
 
     def _finished(self, ex: Exchange) -> None:
@@ -444,8 +457,8 @@ class HttpProtocol(asyncio.Protocol):
             self._current.keep_alive = False
             return
         status, headers, body = self._listener.render_error(error)
-        if self._listener.on_rejected is not None:
-            self._listener.on_rejected(self.client_ip, self._url, status)
+        if self._listener.access_log is not None:
+            self._listener.access_log.refused(self.client_ip, self._url, status)
         head = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b""))]
         head += [b"%s: %s\r\n" % (n, v) for n, v in headers if n != b"connection"]
         head.append(b"connection: close\r\n\r\n")
@@ -512,10 +525,10 @@ class Listener:
         handler: Handler,
         render_error: ErrorRenderer,
         limits: ListenerLimits,
-        on_rejected: RejectionLog | None = None,
+        access_log: AccessLog | None = None,
     ) -> None:
         self.handler = handler
-        self.on_rejected = on_rejected
+        self.access_log = access_log
         self.render_error = render_error
         self.limits = limits
         self.loop = asyncio.get_running_loop()

@@ -84,8 +84,7 @@ class RouterServer:
             self._exit = asyncio.Event()
         app, s = self.app, self.app.settings.server
         await app.start()
-        on_rejected = app.log_rejected if s.access_log else None
-        listener = Listener(app.handle, app.render_error, listener_limits(s), on_rejected)
+        listener = Listener(app.handle, app.render_error, listener_limits(s), app if s.access_log else None)
         try:
             if self._sockets:
                 for sock in self._sockets:
