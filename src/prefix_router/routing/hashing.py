@@ -22,11 +22,11 @@ def hash_bytes(data: bytes) -> int:
 
 def encode_parts(*parts: bytes) -> bytes:
     """Byte strings joined unambiguously: each part length-prefixed (8 bytes, little-endian)."""
-    buf = bytearray()
+    pieces: list[bytes] = []
     for part in parts:
-        buf += len(part).to_bytes(8, "little")
-        buf += part
-    return bytes(buf)
+        pieces.append(len(part).to_bytes(8, "little"))
+        pieces.append(part)
+    return b"".join(pieces)
 
 
 def hash_parts(*parts: bytes) -> int:
@@ -34,16 +34,26 @@ def hash_parts(*parts: bytes) -> int:
     return xxhash.xxh3_64_intdigest(encode_parts(*parts), HASH_SEED)
 
 
-def prefix_hashes(root: bytes, data: bytes, ends: Sequence[int]) -> list[int]:
-    """hash(root + data[:end]) for each end within data, in one streaming pass.
+def hash_rooted(root: bytes, part: bytes | memoryview) -> int:
+    """hash_parts(*parts, part) where root == encode_parts(*parts): the parts are not encoded again,
+    and `part` (a view, typically) is not copied."""
+    state = xxhash.xxh3_64(root, HASH_SEED)
+    state.update(len(part).to_bytes(8, "little"))
+    state.update(part)
+    return state.intdigest()
 
-    A hash of the whole prefix is a chain by construction (equal hashes imply equal prefixes), and
-    the running state costs one update per block with no copies: 32 blocks of a 32 KB body in a few µs.
+
+def prefix_hashes(root: bytes, data: bytes, ends: Sequence[int]) -> tuple[int, ...]:
+    """The chain of block hashes of data cut at `ends`, seeded by hash(root): one entry per end within
+    data, each = chain_hash(previous, block).
+
+    A chain, so equal hashes imply equal prefixes. Each block's hash is seeded by its parent's, which
+    costs one call per block (a running state read at each end costs two: 6.3 against 4.6 µs for the 20
+    blocks of a 32 KB body).
     """
-    state = xxhash.xxh3_64(seed=HASH_SEED)
-    update, digest = state.update, state.intdigest
-    update(root)
     view = memoryview(data)
+    hash_seeded = xxhash.xxh3_64_intdigest
+    h = hash_seeded(root, HASH_SEED)
     out: list[int] = []
     append = out.append
     start = 0
@@ -51,15 +61,15 @@ def prefix_hashes(root: bytes, data: bytes, ends: Sequence[int]) -> list[int]:
     for end in ends:
         if end > size:
             break
-        update(view[start:end])
-        append(digest())
+        h = hash_seeded(view[start:end], h)
+        append(h)
         start = end
-    return out
+    return tuple(out)
 
 
 def chain_hash(parent: int, block: bytes) -> int:
     """Hash of a block given its parent's hash: a prefix chain, as vLLM's block hashes are."""
-    return xxhash.xxh3_64_intdigest(parent.to_bytes(8, "little") + block, HASH_SEED)
+    return xxhash.xxh3_64_intdigest(block, parent)
 
 
 def vnode_hash(backend_id: str, index: int) -> int:

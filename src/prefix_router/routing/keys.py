@@ -19,7 +19,7 @@ import orjson
 
 from prefix_router.routing.canonical import NotCanonicalisable, canonical_bytes, canonical_prompt, parse_json
 from prefix_router.routing.config import KeyConfig, KeyMode
-from prefix_router.routing.hashing import encode_parts, hash_bytes, prefix_hashes
+from prefix_router.routing.hashing import encode_parts, hash_bytes, hash_rooted, prefix_hashes
 
 OPENAI_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings"})
 
@@ -36,7 +36,10 @@ class KeySource(StrEnum):
     RAW = "raw"  # raw body bytes (not JSON, or not canonicalisable)
 
 
-@dataclass(frozen=True, slots=True)
+# A value, but not frozen: a frozen dataclass sets each field through object.__setattr__, 1.4 µs of
+# the 30 µs a decision may take (benchmarks/routing_decision.py). Nothing mutates a key once built,
+# so it hashes by value all the same.
+@dataclass(slots=True, unsafe_hash=True)
 class RoutingKey:
     ring_hash: int  # position on the ring: tenant, model, first N characters/bytes
     blocks: tuple[int, ...]  # chained hashes of fixed-size blocks of the key material (prefix index)
@@ -45,6 +48,11 @@ class RoutingKey:
     tenant: str | None  # the header's value, else the body's prompt_cache_key when trusted
     # The body asks for a stream ("stream": true): how the request is answered, not where it goes.
     streaming: bool = field(default=False, compare=False)
+
+
+# Enum members looked up once: reading one costs ~0.1 µs on CPython 3.11, a few per decision.
+_MODE_OPENAI, _MODE_AUTO = KeyMode.OPENAI, KeyMode.AUTO
+_OPENAI, _NATIVE, _RAW = KeySource.OPENAI, KeySource.NATIVE, KeySource.RAW
 
 
 def extract_key(path: str, body: bytes, tenant: str | None, config: KeyConfig) -> RoutingKey:
@@ -57,64 +65,109 @@ def extract_key(path: str, body: bytes, tenant: str | None, config: KeyConfig) -
             parsed = True
         except NotCanonicalisable:
             parsed = False
-    model = doc.get("model") if isinstance(doc, dict) else None
-    if not isinstance(model, str):
-        model = None
-    streaming = isinstance(doc, dict) and doc.get("stream") is True
-    if tenant is None and config.tenant_body_field and isinstance(doc, dict):
-        tenant_field = doc.get(config.tenant_body_field)
-        if isinstance(tenant_field, str):
-            tenant = tenant_field
+    is_object = isinstance(doc, dict)
+    model: str | None = None
+    streaming = False
+    if is_object:
+        model = doc.get("model")
+        if not isinstance(model, str):
+            model = None
+        streaming = doc.get("stream") is True
+        if tenant is None and config.tenant_body_field:
+            tenant_field = doc.get(config.tenant_body_field)
+            if isinstance(tenant_field, str):
+                tenant = tenant_field
 
-    use_openai = config.mode is KeyMode.OPENAI or (config.mode is KeyMode.AUTO and path in OPENAI_PATHS)
-    if use_openai and isinstance(doc, dict):
+    mode = config.mode
+    use_openai = mode is _MODE_OPENAI or (mode is _MODE_AUTO and path in OPENAI_PATHS)
+    if use_openai and is_object:
         try:
             text = openai_text(path, doc)
         except NotCanonicalisable:
             text = ""  # a part too deep to encode: the request still routes, by its raw bytes below
         if text:
-            material = text[: config.prefix_chars].encode("utf-8", "surrogatepass")
-            full = text.encode("utf-8", "surrogatepass")[: config.max_key_bytes]
-            return _key(KeySource.OPENAI, material, full, tenant, model, config, streaming)
+            encoded = text.encode("utf-8", "surrogatepass")
+            # The first prefix_chars characters: of ASCII text, the first as many bytes (a view: no copy).
+            if text.isascii():
+                material: bytes | memoryview = memoryview(encoded)[: config.prefix_chars]
+            else:
+                material = text[: config.prefix_chars].encode("utf-8", "surrogatepass")
+            return _key(_OPENAI, material, encoded[: config.max_key_bytes], tenant, model, config, streaming)
 
     if parsed:
         try:
             canon = canonical_prompt(doc) or canonical_bytes(doc)
             return _key(
-                KeySource.NATIVE, canon[: config.prefix_bytes], canon, tenant, model, config, streaming
+                _NATIVE,
+                memoryview(canon)[: config.prefix_bytes],
+                canon,
+                tenant,
+                model,
+                config,
+                streaming,
             )
         except NotCanonicalisable:
             pass
-    return _key(KeySource.RAW, body[: config.prefix_bytes], body, tenant, model, config)
+    return _key(_RAW, memoryview(body)[: config.prefix_bytes], body, tenant, model, config)
 
 
 def _key(
     source: KeySource,
-    material: bytes,
+    material: bytes | memoryview,
     full: bytes,
     tenant: str | None,
     model: str | None,
     config: KeyConfig,
     streaming: bool = False,
 ) -> RoutingKey:
-    tenant_b = b"" if tenant is None else tenant.encode("utf-8", "surrogatepass")
-    model_b = b"" if model is None else model.encode("utf-8", "surrogatepass")
-    root = encode_parts(tenant_b, model_b)
-    ring = hash_bytes(root + encode_parts(material))  # == hash_parts(tenant_b, model_b, material)
+    root = _key_root(tenant, model)
+    ring = hash_rooted(root, material)  # == hash_parts(tenant, model, material)
     blocks = prefix_hashes(root, full, block_ends(config.block_bytes, config.max_key_bytes))
-    return RoutingKey(ring, tuple(blocks), source, model, tenant, streaming)
+    return RoutingKey(ring, blocks, source, model, tenant, streaming)
+
+
+def _key_root(tenant: str | None, model: str | None) -> bytes:
+    """What seeds every hash of a key: the tenant, then the model, encoded."""
+    if (tenant is None or len(tenant) <= _CACHED_ROOT_CHARS) and (
+        model is None or len(model) <= _CACHED_ROOT_CHARS
+    ):
+        return _cached_key_root(tenant, model)
+    return _encode_key_root(tenant, model)
+
+
+# A deployment serves a few models and, usually, a bounded set of tenants, so the encoding is almost
+# always a cache hit (0.2 µs against 0.9). Both come from clients: only short ones are cached, so the
+# cache stays within a few MB whatever they send.
+_CACHED_ROOT_CHARS = 256
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_key_root(tenant: str | None, model: str | None) -> bytes:
+    return _encode_key_root(tenant, model)
+
+
+def _encode_key_root(tenant: str | None, model: str | None) -> bytes:
+    return encode_parts(
+        b"" if tenant is None else tenant.encode("utf-8", "surrogatepass"),
+        b"" if model is None else model.encode("utf-8", "surrogatepass"),
+    )
 
 
 @functools.lru_cache(maxsize=8)
 def block_ends(first_block: int, limit: int) -> tuple[int, ...]:
-    """Where blocks of the key material end: `first_block` bytes each, doubling every 4 blocks, up to
+    """Where blocks of the key material end: `first_block` bytes each, doubling every 2 blocks, up to
     64x. Fine grain where conversations diverge, coarse deep in long documents, so a 32 KB body costs
-    20 hashes and a 1 MB body ~80 rather than 4,000. Depends on position only, so two keys sharing a
-    prefix of length L share every boundary below L."""
+    12 hashes and the 256 KB read of a long one 26, rather than 1,000. Depends on position only, so
+    two keys sharing a prefix of length L share every boundary below L.
+
+    Deep blocks can be coarse because the index decides by the owners of the deepest known block, not
+    by its depth, and a conversation's own blocks all have its backend as owner. Doubling every 4
+    blocks (20 hashes at 32 KB) made no difference to the hit rates of benchmarks/routing_quality.py
+    and cost 1.6 µs more per 32 KB decision (benchmarks/routing_decision.py)."""
     ends: list[int] = []
     size, pos = first_block, 0
     while True:
-        for _ in range(4):
+        for _ in range(2):
             pos += size
             if pos > limit:
                 return tuple(ends)
@@ -131,8 +184,7 @@ def openai_text(path: str, doc: dict[str, Any]) -> str:
             parts.append(_MSG + "tools" + _FIELD + _json_text(tools))
         messages = doc.get("messages")
         if isinstance(messages, list):
-            for message in messages:
-                _append_message(parts, message)
+            _append_messages(parts, messages)
     elif path.endswith("/responses"):
         instructions = doc.get("instructions")
         if isinstance(instructions, str):
@@ -145,16 +197,30 @@ def openai_text(path: str, doc: dict[str, Any]) -> str:
     return "".join(parts)
 
 
+def _append_messages(parts: list[str], messages: list[Any]) -> None:
+    append = parts.append
+    for message in messages:
+        # Most messages are a role and a string, only: one inlined check, and the text is appended
+        # as it is, to be copied once by the final join. The rest take the general path.
+        if type(message) is dict and len(message) == 2:
+            role = message.get("role")
+            content = message.get("content")
+            if type(content) is str and type(role) is str:
+                append(_ROLE_MARKERS.get(role) or _MSG + role + _FIELD)
+                append(content)
+                continue
+        _append_message(parts, message)
+
+
+_ROLE_MARKERS = {role: _MSG + role + _FIELD for role in ("system", "developer", "user", "assistant", "tool")}
+
+
 def _append_message(parts: list[str], message: Any) -> None:
     if not isinstance(message, dict):
         parts.append(_MSG + _json_text(message))
         return
     role = message.get("role")
     content = message.get("content")
-    if len(message) == 2 and isinstance(content, str) and isinstance(role, str):
-        parts.append(_MSG + role + _FIELD)  # most messages: a role and a string, only
-        parts.append(content)  # (not concatenated: the text is copied once, by the final join)
-        return
     parts.append(_MSG + (role if isinstance(role, str) else "") + _FIELD)
     name = message.get("name")
     if isinstance(name, str):
