@@ -17,12 +17,16 @@ def load_ok(
     load: float, total: float, n_backends: int, load_factor: float, max_inflight: int, floor: int = 0
 ) -> bool:
     """May a backend carrying `load` take one more request, with `total` in flight over the fleet?"""
+    return load + 1 <= load_bound(total, n_backends, load_factor, max_inflight, floor)
+
+
+def load_bound(total: float, n_backends: int, load_factor: float, max_inflight: int, floor: int = 0) -> float:
+    """The most one backend may carry once the new request is placed (load_ok's right-hand side), so
+    a pick that checks several backends computes it once."""
     if n_backends <= 0:
-        return False
-    if load + 1 > max_inflight:
-        return False
+        return -math.inf
     # The epsilon keeps float rounding from lifting the ceiling: 1.1 * 100 / 2 is 55.000000000000007.
-    return load + 1 <= max(math.ceil(load_factor * (total + 1) / n_backends - 1e-9), floor)
+    return min(max_inflight, max(math.ceil(load_factor * (total + 1) / n_backends - 1e-9), floor))
 
 
 class Lease:

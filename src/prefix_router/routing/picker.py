@@ -9,6 +9,7 @@ Baseline policies (random, round robin, least loaded) exist so operators and ben
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from enum import StrEnum
 
 from prefix_router.routing.config import BalanceConfig, Policy
 from prefix_router.routing.keys import RoutingKey
-from prefix_router.routing.load import LoadTracker, load_ok
+from prefix_router.routing.load import LoadTracker, load_bound
 from prefix_router.routing.prefill import PendingPrefills
 from prefix_router.routing.prefix_index import PrefixIndex
 from prefix_router.routing.ring import HashRing
@@ -47,7 +48,16 @@ class Candidates:
         return Candidates.of([b for b in self.ids if b not in exclude])
 
 
-@dataclass(frozen=True, slots=True)
+# The branches of our policy, looked up once: reading an Enum member costs ~0.1 µs on CPython 3.11.
+_AFFINITY, _PREFIX_MATCH, _OVERFLOW, _FALLBACK = (
+    Branch.AFFINITY,
+    Branch.PREFIX_MATCH,
+    Branch.OVERFLOW,
+    Branch.FALLBACK,
+)
+
+
+@dataclass(slots=True, unsafe_hash=True)  # a value; not frozen, like RoutingKey (0.5 µs a decision)
 class Decision:
     backend_id: str
     branch: Branch
@@ -57,10 +67,11 @@ class Decision:
 class Picker:
     """Holds what a policy remembers between requests (index, round-robin cursor, rng); no I/O."""
 
-    __slots__ = ("_config", "_cursor", "_index", "_prefills", "_rng")
+    __slots__ = ("_config", "_cursor", "_index", "_ours", "_prefills", "_rng")
 
     def __init__(self, config: BalanceConfig, rng: random.Random | None = None) -> None:
         self._config = config
+        self._ours = config.policy is Policy.PREFIX
         self._index = PrefixIndex(config.prefix_index_entries) if config.prefix_index else None
         self._prefills = PendingPrefills()
         self._rng = rng or random.Random()
@@ -87,28 +98,30 @@ class Picker:
         usable = candidates.without(exclude) if exclude else candidates
         if not usable.ids:
             return None
+        if self._ours:
+            return self._pick_prefix(key, ring, usable, load, wait)
         policy = self._config.policy
         if policy is Policy.RANDOM:
             return Decision(self._rng.choice(usable.ids), Branch.BALANCED)
         if policy is Policy.ROUND_ROBIN:
             self._cursor += 1
             return Decision(usable.ids[self._cursor % len(usable.ids)], Branch.BALANCED)
-        if policy is Policy.LEAST_LOADED:
-            return Decision(_least_loaded(usable.ids, load, ring, key.ring_hash), Branch.BALANCED)
-        return self._pick_prefix(key, ring, usable, load, wait)
+        return Decision(_least_loaded(usable.ids, load, ring, key.ring_hash), Branch.BALANCED)
 
     def _pick_prefix(
         self, key: RoutingKey, ring: HashRing, usable: Candidates, load: LoadTracker, wait: bool
     ) -> Decision:
         cfg = self._config
         usable_set = usable.members
-        n = len(usable.ids)
-        total = load.total_load()
+        limit = (
+            load_bound(load.total_load(), len(usable.ids), cfg.load_factor, cfg.max_inflight, cfg.load_floor)
+            if cfg.spill
+            else math.inf
+        )
+        load_of = load.load
 
-        def fits(backend: str) -> bool:
-            return not cfg.spill or load_ok(
-                load.load(backend), total, n, cfg.load_factor, cfg.max_inflight, cfg.load_floor
-            )
+        def fits(backend: str) -> bool:  # load_ok, with its bound computed once for the whole pick
+            return load_of(backend) + 1 <= limit
 
         if self._index is not None and key.blocks:
             # Owners in the order they took the prefix: the first holder keeps it while it is within
@@ -120,18 +133,22 @@ class Picker:
                 # so pending blocks are looked for among the known ones too.
                 pending = self._prefills.deepest(key.blocks, 0)
                 if pending is not None and pending[1] in usable_set and fits(pending[1]):
-                    return Decision(pending[1], Branch.PREFIX_MATCH, wait_for=pending[2])
+                    return Decision(pending[1], _PREFIX_MATCH, wait_for=pending[2])
             for owner in owners:
                 if owner in usable_set and fits(owner):
-                    return Decision(owner, Branch.PREFIX_MATCH)
+                    return Decision(owner, _PREFIX_MATCH)
+        # The ring's first choice takes most requests: looked up alone, without starting a walk.
+        primary = ring.primary(key.ring_hash)
+        if primary is not None and primary in usable_set and fits(primary):
+            return Decision(primary, _AFFINITY)
         first = True
         for backend in ring.walk(key.ring_hash):
             if backend not in usable_set:
                 continue
             if fits(backend):
-                return Decision(backend, Branch.AFFINITY if first else Branch.OVERFLOW)
+                return Decision(backend, _AFFINITY if first else _OVERFLOW)
             first = False
-        return Decision(_least_loaded(usable.ids, load, ring, key.ring_hash), Branch.FALLBACK)
+        return Decision(_least_loaded(usable.ids, load, ring, key.ring_hash), _FALLBACK)
 
     def placed(self, key: RoutingKey, backend_id: str) -> None:
         """Learn from a placement that reached the backend."""
