@@ -143,6 +143,31 @@ def test_chat_same_prompt_same_key(a: dict[str, Any], b: dict[str, Any]) -> None
     assert key(CHAT, a).ring_hash == key(CHAT, b).ring_hash
 
 
+@pytest.mark.parametrize(
+    ("message", "rendered"),
+    [
+        pytest.param({"role": "user", "content": "hi"}, "\x1euser\x1fhi", id="known-role"),
+        pytest.param({"content": "hi", "role": "user"}, "\x1euser\x1fhi", id="field-order"),
+        pytest.param({"role": "ipython", "content": "hi"}, "\x1eipython\x1fhi", id="other-role"),
+        pytest.param({"role": ["user"], "content": "hi"}, "\x1e\x1fhi", id="role-unhashable"),
+        pytest.param({"role": 5, "content": "hi"}, "\x1e\x1fhi", id="role-a-number"),
+        pytest.param({"content": "hi", "x": 1}, "\x1e\x1fhi", id="no-role"),
+        pytest.param({"role": "user", "content": None}, "\x1euser\x1f", id="content-null"),
+        pytest.param(
+            {"role": "user", "content": [{"type": "text", "text": "hi"}]}, "\x1euser\x1fhi", id="text-parts"
+        ),
+        pytest.param({"role": "user", "name": "ann", "content": "hi"}, "\x1euser\x1fann\x1fhi", id="name"),
+        pytest.param(
+            {"role": "tool", "content": "42", "tool_call_id": "c1"}, "\x1etool\x1f42\x1fc1", id="tool-result"
+        ),
+        pytest.param("just a string", '\x1e"just a string"', id="not-an-object"),
+    ],
+)
+def test_message_rendering(message: Any, rendered: str) -> None:
+    # A role marker, then the content; the common shape takes a shortcut that must render the same.
+    assert openai_text(CHAT, {"messages": [message]}) == rendered
+
+
 def test_tools_come_before_messages() -> None:
     doc = {"messages": [{"role": "user", "content": "MSG"}], "tools": [{"name": "TOOL"}]}
     text = openai_text(CHAT, doc)

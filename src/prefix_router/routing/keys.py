@@ -199,16 +199,20 @@ def openai_text(path: str, doc: dict[str, Any]) -> str:
 
 def _append_messages(parts: list[str], messages: list[Any]) -> None:
     append = parts.append
+    markers = _ROLE_MARKERS
     for message in messages:
-        # Most messages are a role and a string, only: one inlined check, and the text is appended
-        # as it is, to be copied once by the final join. The rest take the general path.
-        if type(message) is dict and len(message) == 2:
-            role = message.get("role")
-            content = message.get("content")
-            if type(content) is str and type(role) is str:
-                append(_ROLE_MARKERS.get(role) or _MSG + role + _FIELD)
-                append(content)
-                continue
+        # Most messages are a known role and a string, only: one inlined check (subscripts and class
+        # reads, no calls but len: 0.25 µs a message, not 0.35), and the text is appended as it is, to
+        # be copied once by the final join. Anything else takes the general path.
+        try:
+            if message.__class__ is dict and len(message) == 2:
+                content = message["content"]
+                if content.__class__ is str:
+                    append(markers[message["role"]])
+                    append(content)
+                    continue
+        except (KeyError, TypeError):  # no such field, or a role that is not a known string
+            pass
         _append_message(parts, message)
 
 
