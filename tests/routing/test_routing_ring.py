@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefix_router.routing.hashing import hash_bytes
+from prefix_router.routing.hashing import hash_bytes, vnode_hash
 from prefix_router.routing.ring import HashRing, Member
 
 KEYS = [hash_bytes(i.to_bytes(8, "little")) for i in range(20_000)]
@@ -23,6 +23,30 @@ def ring_of(ids: list[str], vnodes: int = 160, weights: dict[str, float] | None 
 
 def primaries(ring: HashRing) -> list[str | None]:
     return [ring.primary(k) for k in KEYS]
+
+
+def _reference_primary(ids: list[str], vnodes: int, key_hash: int) -> str:
+    """The ring's definition, spelled out: the owner of the first vnode point at or after the key,
+    wrapping round; a point two backends share goes to the smaller id."""
+    owner: dict[int, str] = {}
+    for backend in sorted(ids, reverse=True):
+        for i in range(vnodes):
+            owner[vnode_hash(backend, i)] = backend
+    after = [p for p in owner if p >= key_hash]
+    return owner[min(after) if after else min(owner)]
+
+
+@settings(max_examples=200)
+@given(
+    st.integers(1, 40),
+    st.integers(1, 12),
+    # Any 64-bit hash, and the ends of the range, where the lookup's ranges of top bits begin and end.
+    U64 | st.sampled_from([0, 1, 2**52, 2**63, 2**64 - 1]),
+)
+def test_primary_is_the_first_point_clockwise(vnodes: int, n: int, key_hash: int) -> None:
+    ring = ring_of(IDS[:n], vnodes=vnodes)
+    assert ring.primary(key_hash) == _reference_primary(IDS[:n], vnodes, key_hash)
+    assert next(ring.walk(key_hash)) == ring.primary(key_hash)
 
 
 def test_same_key_same_backend() -> None:
