@@ -51,7 +51,8 @@ def parse_vllm_load(text: bytes) -> float | None:
                 total += value
                 found = True
             break
-    return total if found else None
+    # Finite values can still sum past the largest float; that figure says nothing either.
+    return total if found and math.isfinite(total) else None
 
 
 class LoadSignalScraper:

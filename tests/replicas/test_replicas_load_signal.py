@@ -101,6 +101,10 @@ vllm:prompt_tokens_total{engine="0",model_name="x"} 12345.0
             id="garbage-lines-ignored",
         ),
         pytest.param(b"<html>nothing to see</html>", None, id="all-garbage"),
+        pytest.param(b"vllm:num_requests_running NaN\nvllm:num_requests_waiting 2\n", 2.0, id="nan-skipped"),
+        pytest.param(
+            b"vllm:num_requests_running 1e308\nvllm:num_requests_waiting 1e308\n", None, id="sum-overflows"
+        ),
         pytest.param(b'{"backend": "b0", "path": "/metrics"}', None, id="json-echo"),
     ],
 )

@@ -259,7 +259,7 @@ def _utf8(value: str | None) -> bytes:
 
 @settings(max_examples=200)
 @given(
-    tenant=st.none() | st.text(max_size=300),  # past 256 characters the encoded seed is not cached
+    tenant=st.none() | st.text(max_size=300),  # past 128 characters the encoded seed is not cached
     model=st.none() | st.text(max_size=300),
     content=st.text(max_size=300),  # ASCII or not: the first characters are cut two ways
     prefix_chars=st.integers(1, 120),

@@ -70,6 +70,24 @@ def test_load_floor_worked_arithmetic(
     assert load_ok(load, total, 4, 1.25, max_inflight, floor) is expected
 
 
+def test_a_figure_that_is_not_finite_is_no_figure() -> None:
+    tracker = LoadTracker()
+    tracker.acquire("a")
+    for figure in (math.inf, -math.inf, math.nan):
+        tracker.set_external("a", figure)
+        tracker.set_external("b", 3.0)
+        tracker.set_external("b", figure)  # replaces b's figure: nothing of it may stay behind
+        assert (tracker.load("a"), tracker.load("b")) == (1, 0)
+        assert tracker.total_load() == 1
+
+
+@pytest.mark.parametrize("total", [pytest.param(1e308, id="1e308"), pytest.param(1.7e308, id="max-float")])
+def test_a_huge_total_leaves_the_absolute_bound(total: float) -> None:
+    # 1.25 * (1.7e308 + 1) is past the largest float: only max_inflight can still say no.
+    assert load_ok(31, total, 2, 1.25, 32) is True
+    assert load_ok(32, total, 2, 1.25, 32) is False
+
+
 def test_load_ok_is_not_fooled_by_float_rounding() -> None:
     # Regression: 1.1 * 100 / 2 == 55.00000000000001 in floats; a plain ceil made the bound 56.
     # ceil(1.1 * (99 + 1) / 2) = ceil(55) = 55, so a backend already at 55 must not take one more.

@@ -25,8 +25,11 @@ def load_bound(total: float, n_backends: int, load_factor: float, max_inflight: 
     a pick that checks several backends computes it once."""
     if n_backends <= 0:
         return -math.inf
+    relative = load_factor * (total + 1) / n_backends
+    if not math.isfinite(relative):  # a total near the largest float: only the absolute bound is left
+        return max_inflight
     # The epsilon keeps float rounding from lifting the ceiling: 1.1 * 100 / 2 is 55.000000000000007.
-    return min(max_inflight, max(math.ceil(load_factor * (total + 1) / n_backends - 1e-9), floor))
+    return min(max_inflight, max(math.ceil(relative - 1e-9), floor))
 
 
 class Lease:
@@ -96,8 +99,13 @@ class LoadTracker:
         return self._total
 
     def set_external(self, backend_id: str, scraped: float, local_then: int | None = None) -> None:
-        """Record a backend's own load figure; `local_then` is this replica's count when it was asked."""
+        """Record a backend's own load figure; `local_then` is this replica's count when it was asked.
+
+        A figure that is not a finite number is no figure: kept, it would poison the fleet's totals
+        for good (inf - inf is NaN once it is replaced)."""
         self.clear_external(backend_id)
+        if not math.isfinite(scraped):
+            return
         if local_then is None:
             local_then = self.inflight(backend_id)
         self._external[backend_id] = (scraped, local_then)
