@@ -113,15 +113,22 @@ class Picker:
     ) -> Decision:
         cfg = self._config
         usable_set = usable.members
-        limit = (
-            load_bound(load.total_load(), len(usable.ids), cfg.load_factor, cfg.max_inflight, cfg.load_floor)
-            if cfg.spill
-            else math.inf
-        )
+        # load_ok, with its bound computed at most once a pick, and not at all while the backend stays
+        # under the floor: the relative bound never falls below it, so only max_inflight applies there.
+        under_floor = min(cfg.load_floor, cfg.max_inflight) if cfg.spill else math.inf
+        limit: float | None = None
         load_of = load.load
 
-        def fits(backend: str) -> bool:  # load_ok, with its bound computed once for the whole pick
-            return load_of(backend) + 1 <= limit
+        def fits(backend: str) -> bool:
+            nonlocal limit
+            after = load_of(backend) + 1
+            if after <= under_floor:
+                return True
+            if limit is None:
+                limit = load_bound(
+                    load.total_load(), len(usable.ids), cfg.load_factor, cfg.max_inflight, cfg.load_floor
+                )
+            return after <= limit
 
         if self._index is not None and key.blocks:
             # Owners in the order they took the prefix: the first holder keeps it while it is within
