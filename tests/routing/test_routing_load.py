@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefix_router.routing.load import LoadTracker, load_ok
+from prefix_router.routing.load import LoadTracker, least_bound, load_bound, load_ok
 
 BIG = 10_000  # a max_inflight that never binds
 
@@ -68,6 +68,21 @@ def test_load_floor_worked_arithmetic(
     load: float, total: float, floor: int, max_inflight: int, expected: bool
 ) -> None:
     assert load_ok(load, total, 4, 1.25, max_inflight, floor) is expected
+
+
+@settings(max_examples=300)
+@given(
+    st.floats(0, 1e12),
+    st.integers(1, 1000),
+    st.sampled_from([1.0, 1.1, 1.25, 2.0]),
+    st.integers(1, 64),
+    st.integers(0, 64),
+)
+def test_load_bound_never_falls_below_least_bound(
+    total: float, n: int, c: float, max_inflight: int, floor: int
+) -> None:
+    # The picker lets a backend at or under least_bound through without computing load_bound.
+    assert load_bound(total, n, c, max_inflight, floor) >= least_bound(max_inflight, floor)
 
 
 def test_a_figure_that_is_not_finite_is_no_figure() -> None:

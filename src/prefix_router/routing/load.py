@@ -32,6 +32,12 @@ def load_bound(total: float, n_backends: int, load_factor: float, max_inflight: 
     return min(max_inflight, max(math.ceil(relative - 1e-9), floor))
 
 
+def least_bound(max_inflight: int, floor: int = 0) -> int:
+    """The least load_bound can be over a fleet of one backend or more, whatever its load: a backend
+    that stays at or under it fits without the fleet's total being looked at."""
+    return min(max_inflight, floor)
+
+
 class Lease:
     """One request's claim on a backend; released exactly once, whatever the exit path."""
 

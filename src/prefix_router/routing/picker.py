@@ -17,7 +17,7 @@ from enum import StrEnum
 
 from prefix_router.routing.config import BalanceConfig, Policy
 from prefix_router.routing.keys import RoutingKey
-from prefix_router.routing.load import LoadTracker, load_bound
+from prefix_router.routing.load import LoadTracker, least_bound, load_bound
 from prefix_router.routing.prefill import PendingPrefills
 from prefix_router.routing.prefix_index import PrefixIndex
 from prefix_router.routing.ring import HashRing
@@ -67,11 +67,13 @@ class Decision:
 class Picker:
     """Holds what a policy remembers between requests (index, round-robin cursor, rng); no I/O."""
 
-    __slots__ = ("_config", "_cursor", "_index", "_ours", "_prefills", "_rng")
+    __slots__ = ("_config", "_cursor", "_index", "_ours", "_prefills", "_rng", "_under_floor")
 
     def __init__(self, config: BalanceConfig, rng: random.Random | None = None) -> None:
         self._config = config
         self._ours = config.policy is Policy.PREFIX
+        # At or under this a backend fits whatever the fleet's load; without spill, always.
+        self._under_floor = least_bound(config.max_inflight, config.load_floor) if config.spill else math.inf
         self._index = PrefixIndex(config.prefix_index_entries) if config.prefix_index else None
         self._prefills = PendingPrefills()
         self._rng = rng or random.Random()
@@ -114,8 +116,8 @@ class Picker:
         cfg = self._config
         usable_set = usable.members
         # load_ok, with its bound computed at most once a pick, and not at all while the backend stays
-        # under the floor: the relative bound never falls below it, so only max_inflight applies there.
-        under_floor = min(cfg.load_floor, cfg.max_inflight) if cfg.spill else math.inf
+        # at or under least_bound.
+        under_floor = self._under_floor
         limit: float | None = None
         load_of = load.load
 
