@@ -29,7 +29,7 @@ from pydantic_settings import (
 )
 
 from prefix_router.errors import SettingsError
-from prefix_router.routing.config import BalanceConfig, KeyConfig, KeyMode, Policy
+from prefix_router.routing.config import BalanceConfig, FirstPlacement, KeyConfig, KeyMode, Policy
 
 ENV_PREFIX = "PREFIX_ROUTER_"
 CONFIG_ENV = "PREFIX_ROUTER_CONFIG"  # path of the YAML file, when --config is not given
@@ -133,6 +133,16 @@ class RoutingSettings(_Section):
     # Hold a streaming request whose prefix another request is prefilling on its backend right now,
     # up to this long, so it finds the prefix cached (0: off). See routing/prefill.py.
     prefill_wait_s: float = Field(5.0, ge=0)
+    # A known prefix is followed only when it covers this share of the request (0: any known prefix):
+    # SGLang's cache_threshold. A system prompt all traffic shares stays under it.
+    follow_threshold: float = Field(0.5, ge=0, le=1)
+    # Where a prefix goes that no backend holds enough of: `cache_room`, the backend whose cache keeps
+    # things longest (best for one router, or replicas with shared state); `ring`, the ring's choice,
+    # which stateless replicas agree on.
+    first_placement: FirstPlacement = FirstPlacement.CACHE_ROOM
+    # Each backend's KV capacity in tokens; None: read from vLLM's vllm:cache_config_info.
+    kv_capacity_tokens: int | None = Field(None, gt=0)
+    bytes_per_token: float = Field(4.0, gt=0)  # key bytes a cached token stands for (~4 for English)
     set_cache_salt: bool = False  # set vLLM's cache_salt from the tenant, overwriting the client's
     cache_salt_secret: SecretStr | None = None  # key of the keyed hash that makes the salt
 
@@ -244,6 +254,8 @@ class Settings(BaseSettings):
             spill=b.spill,
             prefix_index=self.routing.prefix_index,
             prefix_index_entries=self.routing.prefix_index_entries,
+            follow_threshold=self.routing.follow_threshold,
+            first_placement=self.routing.first_placement,
         )
 
 

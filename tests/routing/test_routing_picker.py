@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefix_router.routing.config import BalanceConfig, KeyConfig, Policy
+from prefix_router.routing.config import BalanceConfig, FirstPlacement, KeyConfig, Policy
 from prefix_router.routing.keys import KeySource, RoutingKey, extract_key
 from prefix_router.routing.load import LoadTracker, load_ok
 from prefix_router.routing.picker import Branch, Candidates, Picker
@@ -20,10 +20,22 @@ from prefix_router.routing.ring import HashRing, Member
 IDS = [f"http://10.0.2.{i}:8000" for i in range(8)]
 RING = HashRing([Member(i) for i in IDS], 160)
 ALL = Candidates.of(IDS)
+# The ring walk's own rules (affinity, overflow) apply where first placements follow the ring.
+RING_FIRST = FirstPlacement.RING
 
 
-def bare_key(ring_hash: int, blocks: tuple[int, ...] = ()) -> RoutingKey:
-    return RoutingKey(ring_hash=ring_hash, blocks=blocks, source=KeySource.RAW, model=None, tenant=None)
+def bare_key(ring_hash: int, blocks: tuple[int, ...] = (), size: int | None = None) -> RoutingKey:
+    """A key of 256-byte blocks; `size` bytes of key material (default: the blocks exactly)."""
+    ends = tuple(256 * (i + 1) for i in range(max(len(blocks), 1)))
+    return RoutingKey(
+        ring_hash=ring_hash,
+        blocks=blocks,
+        source=KeySource.RAW,
+        model=None,
+        tenant=None,
+        size=256 * len(blocks) if size is None else size,
+        ends=ends,
+    )
 
 
 def tracker_with(loads: dict[str, int]) -> LoadTracker:
@@ -95,7 +107,7 @@ def test_bound_holds_whenever_some_backend_is_under_it(
 @settings(max_examples=100)
 @given(st.integers(0, 2**64 - 1), st.sets(st.sampled_from(IDS), min_size=1))
 def test_affinity_is_the_first_usable_backend_of_the_walk(ring_hash: int, candidate_ids: set[str]) -> None:
-    picker = Picker(BalanceConfig(), random.Random(0))
+    picker = Picker(BalanceConfig(first_placement=RING_FIRST), random.Random(0))
     decision = picker.pick(bare_key(ring_hash), RING, Candidates.of(candidate_ids), LoadTracker())
     assert decision is not None
     assert decision.branch is Branch.AFFINITY
@@ -103,7 +115,7 @@ def test_affinity_is_the_first_usable_backend_of_the_walk(ring_hash: int, candid
 
 
 def test_overflow_when_the_first_is_full() -> None:
-    config = BalanceConfig(max_inflight=2)
+    config = BalanceConfig(first_placement=RING_FIRST, max_inflight=2)
     walk = list(RING.walk(12345))
     load = tracker_with({walk[0]: 2})
     decision = Picker(config).pick(bare_key(12345), RING, ALL, load)
@@ -119,7 +131,8 @@ def test_overflow_under_the_relative_bound() -> None:
     # 8 backends, 7 in flight all on the first, no floor: ceil(1.25 * 8 / 8) = 2, so 7 + 1 > 2.
     walk = list(RING.walk(999))
     load = tracker_with({walk[0]: 7})
-    decision = Picker(BalanceConfig(load_floor=0)).pick(bare_key(999), RING, ALL, load)
+    picker = Picker(BalanceConfig(first_placement=RING_FIRST, load_floor=0))
+    decision = picker.pick(bare_key(999), RING, ALL, load)
     assert decision is not None
     assert (decision.backend_id, decision.branch) == (walk[1], Branch.OVERFLOW)
 
@@ -128,11 +141,11 @@ def test_the_load_floor_keeps_a_few_requests_on_their_prefix() -> None:
     # The same 7 in flight with the default floor of 8: 7 + 1 <= 8, so the ring's first choice stays.
     walk = list(RING.walk(999))
     load = tracker_with({walk[0]: 7})
-    decision = Picker(BalanceConfig()).pick(bare_key(999), RING, ALL, load)
+    decision = Picker(BalanceConfig(first_placement=RING_FIRST)).pick(bare_key(999), RING, ALL, load)
     assert decision is not None
     assert (decision.backend_id, decision.branch) == (walk[0], Branch.AFFINITY)
     load = tracker_with({walk[0]: 8})
-    decision = Picker(BalanceConfig()).pick(bare_key(999), RING, ALL, load)
+    decision = Picker(BalanceConfig(first_placement=RING_FIRST)).pick(bare_key(999), RING, ALL, load)
     assert decision is not None and decision.branch is Branch.OVERFLOW
 
 
@@ -148,7 +161,7 @@ def test_fallback_when_all_full_goes_to_least_loaded() -> None:
 
 
 def test_spill_off_keeps_the_ring_choice() -> None:
-    config = BalanceConfig(max_inflight=1, spill=False)
+    config = BalanceConfig(first_placement=RING_FIRST, max_inflight=1, spill=False)
     walk = list(RING.walk(5))
     decision = Picker(config).pick(bare_key(5), RING, ALL, tracker_with({walk[0]: 50}))
     assert decision is not None
@@ -161,7 +174,8 @@ def test_prefix_index_follows_a_conversation() -> None:
     turn1 = chat_key("How do I bake bread?")
     first = picker.pick(turn1, RING, ALL, load)
     assert first is not None
-    assert first.branch is Branch.AFFINITY
+    # A new prefix on an empty fleet: every cache has the same room, so the ring's first choice.
+    assert (first.backend_id, first.branch) == (RING.primary(turn1.ring_hash), Branch.CACHE_ROOM)
     picker.placed(turn1, first.backend_id)
 
     # Find a next turn whose own ring position is elsewhere: only the index can bring it back.
@@ -185,7 +199,7 @@ def test_prefix_index_follows_a_conversation() -> None:
 
 
 def test_prefix_match_skips_full_or_absent_owners() -> None:
-    config = BalanceConfig(max_inflight=2)
+    config = BalanceConfig(first_placement=RING_FIRST, max_inflight=2)
     picker = Picker(config)
     key = bare_key(42, blocks=(10, 11, 12))
     walk = list(RING.walk(42))
@@ -284,7 +298,7 @@ def test_none_when_no_candidate(policy: Policy) -> None:
 
 
 def test_exclude_prefix_owner() -> None:
-    picker = Picker(BalanceConfig())
+    picker = Picker(BalanceConfig(first_placement=RING_FIRST))
     key = bare_key(3, blocks=(7,))
     owner = list(RING.walk(3))[-1]
     picker.placed(key, owner)

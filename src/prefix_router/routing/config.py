@@ -19,6 +19,13 @@ class Policy(StrEnum):
     LEAST_LOADED = "least_loaded"
 
 
+class FirstPlacement(StrEnum):
+    """Where a prefix goes that no backend holds enough of."""
+
+    CACHE_ROOM = "cache_room"  # the backend whose cache keeps things longest (routing/footprint.py)
+    RING = "ring"  # the ring's choice: the same on every replica, with no state shared
+
+
 @dataclass(frozen=True, slots=True)
 class KeyConfig:
     mode: KeyMode = KeyMode.AUTO
@@ -38,3 +45,7 @@ class BalanceConfig:
     spill: bool = True  # off: the ring's choice always wins while healthy (a benchmark baseline)
     prefix_index: bool = True
     prefix_index_entries: int = 200_000
+    # A known prefix is followed only when it covers at least this share of the request's key
+    # material: one system prompt shared by all traffic must not decide where conversations go.
+    follow_threshold: float = 0.5
+    first_placement: FirstPlacement = FirstPlacement.CACHE_ROOM

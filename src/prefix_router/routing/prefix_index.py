@@ -3,8 +3,8 @@
 A fixed-length ring key cannot follow a conversation: each turn changes the first N characters until
 the history outgrows them. The index remembers, per block hash, the few backends this router placed it
 on (an approximation of their prefix caches, like SGLang's approximate radix tree or llm-d's prefix
-scorer), so turn k+1 finds turn k's backend. It only ever learns from placements the ring (or the
-bound) made, so a prefix seen for the first time is always decided by the ring and replicas agree.
+scorer), so turn k+1 finds turn k's backend. It learns only from placements this router made; an
+owner whose cache has since turned over is dropped (routing/footprint.py).
 """
 
 from __future__ import annotations
@@ -65,6 +65,17 @@ class PrefixIndex:
                 entries.move_to_end(block)
         while len(entries) > self._max_entries:
             entries.popitem(last=False)
+
+    def forget_owner(self, block: int, backend_id: str) -> None:
+        """The backend no longer holds this block (it aged out of its cache)."""
+        owners = self._entries.get(block)
+        if owners is None or backend_id not in owners:
+            return
+        rest = tuple(o for o in owners if o != backend_id)
+        if rest:
+            self._entries[block] = rest
+        else:
+            del self._entries[block]
 
     def forget_backend(self, backend_id: str) -> None:
         """Drop a backend that left the fleet (its cache is gone with it)."""

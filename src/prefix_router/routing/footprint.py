@@ -1,0 +1,144 @@
+"""What this router has placed on each backend, and how much of it the backend's cache can still hold.
+
+A prefix nobody holds (or holds too little of) is worth placing where it will stay cached longest.
+Each backend's ledger is an LRU of the blocks placed there, in bytes of key material, bounded by the
+backend's KV capacity (vLLM's `num_gpu_blocks * block_size` tokens, times bytes per token): what
+falls out of the ledger has most likely fallen out of the engine's cache too, and the caller drops
+that backend as an owner of those blocks so the prefix index does not follow a stale owner.
+
+Two measures rank backends for a new prefix:
+- room: capacity minus what the ledger holds, while the ledger is not full;
+- once it is full, retention: how many placements ago the ledger's oldest entry was last used. Under
+  LRU a cache keeps things for about capacity / inflow; placing where the oldest entry is oldest
+  evens out that time over the fleet (what SGLang's "smallest tree" does while its trees never evict).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+
+# A backend whose capacity is not known yet: every unknown backend gets the same figure, so they
+# rank by what they hold; the entry bound below still keeps the ledger's memory bounded.
+UNKNOWN_CAPACITY_BYTES = float(1 << 40)
+
+
+class BackendLedger:
+    __slots__ = ("_blocks", "_capacity", "_max_entries", "_used")
+
+    def __init__(self, capacity_bytes: float, max_entries: int) -> None:
+        self._blocks: OrderedDict[int, tuple[int, int]] = OrderedDict()  # block -> (bytes, last use)
+        self._capacity = capacity_bytes
+        self._max_entries = max_entries
+        self._used = 0
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    @property
+    def capacity_bytes(self) -> float:
+        return self._capacity
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __contains__(self, block: int) -> bool:
+        return block in self._blocks
+
+    def is_full(self) -> bool:
+        return self._used >= self._capacity or len(self._blocks) >= self._max_entries
+
+    def room_bytes(self) -> float:
+        return max(0.0, self._capacity - self._used)
+
+    def oldest_use(self) -> int:
+        """The clock reading of the least recently used entry; -1 when the ledger is empty."""
+        if not self._blocks:
+            return -1
+        return next(iter(self._blocks.values()))[1]
+
+    def record(self, blocks: Sequence[int], sizes: Sequence[int], clock: int) -> list[int]:
+        """Note the blocks as used at `clock`; returns the blocks evicted to stay within capacity.
+
+        Deepest first, so a prefix's shallow blocks end most recently used and eviction trims old
+        prefixes from their tails, as vLLM frees a finished request's blocks tail first."""
+        entries = self._blocks
+        for block, size in zip(reversed(blocks), reversed(sizes), strict=True):
+            old = entries.pop(block, None)
+            if old is not None:
+                self._used -= old[0]
+            entries[block] = (size, clock)
+            self._used += size
+        return self._shrink()
+
+    def set_capacity(self, capacity_bytes: float) -> list[int]:
+        self._capacity = capacity_bytes
+        return self._shrink()
+
+    def _shrink(self) -> list[int]:
+        entries = self._blocks
+        evicted: list[int] = []
+        # One entry always stays: a prompt larger than the whole cache still leaves its head cached.
+        while len(entries) > 1 and (self._used > self._capacity or len(entries) > self._max_entries):
+            block, (size, _) = entries.popitem(last=False)
+            self._used -= size
+            evicted.append(block)
+        return evicted
+
+
+class FootprintLedgers:
+    """One ledger per backend and a shared clock; `on_evict(block, backend)` drops stale owners."""
+
+    __slots__ = ("_capacity_of", "_clock", "_ledgers", "_max_entries", "_on_evict")
+
+    def __init__(self, max_entries: int, on_evict: Callable[[int, str], None] | None = None) -> None:
+        self._ledgers: dict[str, BackendLedger] = {}
+        self._capacity_of: dict[str, float] = {}
+        self._max_entries = max_entries
+        self._on_evict = on_evict
+        self._clock = 0
+
+    def ledger(self, backend_id: str) -> BackendLedger:
+        ledger = self._ledgers.get(backend_id)
+        if ledger is None:
+            capacity = self._capacity_of.get(backend_id, UNKNOWN_CAPACITY_BYTES)
+            ledger = self._ledgers[backend_id] = BackendLedger(capacity, self._max_entries)
+        return ledger
+
+    def set_capacity(self, backend_id: str, capacity_bytes: float | None) -> None:
+        """The backend's KV capacity in bytes of key material; None: not known."""
+        capacity = UNKNOWN_CAPACITY_BYTES if capacity_bytes is None else max(0.0, capacity_bytes)
+        self._capacity_of[backend_id] = capacity
+        ledger = self._ledgers.get(backend_id)
+        if ledger is not None:
+            self._evicted(ledger.set_capacity(capacity), backend_id)
+
+    def capacity(self, backend_id: str) -> float:
+        return self._capacity_of.get(backend_id, UNKNOWN_CAPACITY_BYTES)
+
+    def record(self, backend_id: str, blocks: Sequence[int], sizes: Sequence[int]) -> None:
+        self._clock += 1
+        self._evicted(self.ledger(backend_id).record(blocks, sizes, self._clock), backend_id)
+
+    def rank(self, backend_id: str) -> tuple[int, float]:
+        """Smaller is a better home for a new prefix: (0, -room) while there is room, then
+        (1, last use of the oldest entry): the cache that keeps things longest."""
+        ledger = self._ledgers.get(backend_id)
+        if ledger is None:
+            return (0, -self.capacity(backend_id))
+        if not ledger.is_full():
+            return (0, -ledger.room_bytes())
+        return (1, float(ledger.oldest_use()))
+
+    def forget(self, backend_id: str) -> None:
+        self._ledgers.pop(backend_id, None)
+        self._capacity_of.pop(backend_id, None)
+
+    def backends(self) -> Iterable[str]:
+        return self._ledgers.keys()
+
+    def _evicted(self, blocks: list[int], backend_id: str) -> None:
+        if self._on_evict is not None:
+            for block in blocks:
+                self._on_evict(block, backend_id)

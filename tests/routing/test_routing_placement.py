@@ -1,0 +1,266 @@
+"""First placements by cache room, known prefixes followed by how much of the request they cover, and
+the per-backend ledgers that age owners out at each backend's KV capacity."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefix_router.routing.config import BalanceConfig, FirstPlacement, KeyConfig
+from prefix_router.routing.footprint import BackendLedger, FootprintLedgers
+from prefix_router.routing.keys import RoutingKey, block_sizes, extract_key
+from prefix_router.routing.load import LoadTracker
+from prefix_router.routing.picker import ROOM_CHOICES, Branch, Candidates, Picker
+from prefix_router.routing.ring import HashRing, Member
+
+WORDS = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "mu", "nu")
+
+
+def text(seed: int, chars: int) -> str:
+    rng = random.Random(seed)
+    out: list[str] = []
+    size = 0
+    while size < chars:
+        word = rng.choice(WORDS)
+        out.append(word)
+        size += len(word) + 1
+    return " ".join(out)[:chars]
+
+
+def chat(*messages: tuple[str, str], tenant: str | None = None) -> RoutingKey:
+    body = {"model": "m", "messages": [{"role": r, "content": c} for r, c in messages]}
+    return extract_key("/v1/chat/completions", orjson.dumps(body), tenant, KeyConfig())
+
+
+def fleet(n: int, salt: str = "") -> tuple[HashRing, Candidates]:
+    ids = [f"http://10.1.{salt}{i}.1:8000" for i in range(n)]
+    return HashRing([Member(i) for i in ids], 160), Candidates.of(ids)
+
+
+def place(picker: Picker, key: RoutingKey, ring: HashRing, cands: Candidates) -> str:
+    decision = picker.pick(key, ring, cands, LoadTracker())
+    assert decision is not None
+    picker.placed(key, decision.backend_id)
+    return decision.backend_id
+
+
+# -- following a known prefix ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("system_chars", "question_chars", "threshold", "follows"),
+    [
+        pytest.param(2000, 200, 0.5, True, id="system-prompt-is-most-of-the-request"),
+        pytest.param(2000, 12000, 0.5, False, id="shared-prompt-is-a-small-share"),
+        pytest.param(2000, 12000, 0.1, True, id="a-low-threshold-follows-it"),
+        # Coverage counts whole blocks: the known prefix of a 2,600-character prompt ends at 2,560.
+        pytest.param(2600, 2400, 0.5, True, id="just-over-half"),
+        pytest.param(2600, 2700, 0.5, False, id="just-under-half"),
+        pytest.param(2000, 12000, 0.0, True, id="threshold-zero-follows-any-known-prefix"),
+    ],
+)
+def test_a_known_prefix_is_followed_by_how_much_of_the_request_it_covers(
+    system_chars: int, question_chars: int, threshold: float, follows: bool
+) -> None:
+    ring, cands = fleet(4)
+    picker = Picker(BalanceConfig(follow_threshold=threshold))
+    system = ("system", text(1, system_chars))
+    owner = place(picker, chat(system, ("user", text(2, 50))), ring, cands)
+    # Another question after the same system prompt, with a ring position away from the owner.
+    for seed in range(3, 200):
+        key = chat(system, ("user", text(seed, question_chars)))
+        if ring.primary(key.ring_hash) != owner:
+            break
+    decision = picker.pick(key, ring, cands, LoadTracker())
+    assert decision is not None
+    if follows:
+        assert (decision.backend_id, decision.branch) == (owner, Branch.PREFIX_MATCH)
+    else:
+        # The owner already holds a prefix, the others nothing: a new conversation goes elsewhere.
+        assert decision.branch is Branch.CACHE_ROOM
+        assert decision.backend_id != owner
+
+
+def test_a_system_prompt_shared_by_all_traffic_does_not_herd_conversations() -> None:
+    """The Mooncake shape: every request starts with the same block, then its own conversation."""
+    ring, cands = fleet(4)
+    picker = Picker(BalanceConfig())
+    system = ("system", text(0, 2048))
+    homes = {}
+    for conv in range(40):
+        homes[conv] = place(picker, chat(system, ("user", text(100 + conv, 8000))), ring, cands)
+    counts = Counter(homes.values())
+    assert sorted(counts.values()) == [10, 10, 10, 10]
+    # The next turn of each conversation covers its history: it follows it home.
+    for conv in range(40):
+        turn2 = chat(system, ("user", text(100 + conv, 8000)), ("assistant", "ok"), ("user", "more"))
+        decision = picker.pick(turn2, ring, cands, LoadTracker())
+        assert decision is not None
+        assert (decision.backend_id, decision.branch) == (homes[conv], Branch.PREFIX_MATCH)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 10_000), st.integers(2, 6))
+def test_first_seen_groups_spread_evenly_whatever_the_ring_layout(salt: int, backends: int) -> None:
+    """Equal groups, seen for the first time, land 'groups / backends' on each backend: the ring's
+    luck (7 of 16 groups on one backend in a third of layouts) no longer decides."""
+    ring, cands = fleet(backends, salt=f"{salt}.")
+    picker = Picker(BalanceConfig())
+    groups = backends * 4
+    placed = [
+        place(picker, chat(("system", text(g, 3000)), ("user", "q")), ring, cands) for g in range(groups)
+    ]
+    assert sorted(Counter(placed).values()) == [4] * backends
+
+
+def test_ring_first_placement_keeps_the_ring_choice_for_a_new_prefix() -> None:
+    ring, cands = fleet(4)
+    picker = Picker(BalanceConfig(first_placement=FirstPlacement.RING))
+    for g in range(20):
+        key = chat(("system", text(g, 3000)), ("user", "q"))
+        decision = picker.pick(key, ring, cands, LoadTracker())
+        assert decision is not None
+        assert (decision.backend_id, decision.branch) == (ring.primary(key.ring_hash), Branch.AFFINITY)
+        picker.placed(key, decision.backend_id)
+
+
+def test_cache_room_chooses_among_the_first_backends_of_the_walk_only() -> None:
+    ring, cands = fleet(40)
+    picker = Picker(BalanceConfig())
+    key = chat(("system", text(5, 3000)), ("user", "q"))
+    first = list(ring.walk(key.ring_hash))[:ROOM_CHOICES]
+    # Fill the first choices' ledgers so a backend beyond them would have more room.
+    ledgers = picker.ledgers
+    assert ledgers is not None
+    for i, backend in enumerate(first):
+        ledgers.record(backend, (10_000 + i,), (1000 * (i + 1),))
+    decision = picker.pick(key, ring, cands, LoadTracker())
+    assert decision is not None
+    assert decision.backend_id == first[0]  # the least used of the first ROOM_CHOICES
+    assert decision.branch is Branch.CACHE_ROOM
+
+
+def test_cache_room_respects_the_load_bound() -> None:
+    ring, cands = fleet(4)
+    picker = Picker(BalanceConfig(max_inflight=2))
+    key = chat(("system", text(9, 3000)), ("user", "q"))
+    walk = list(ring.walk(key.ring_hash))
+    load = LoadTracker()
+    for _ in range(2):
+        load.acquire(walk[0])
+    decision = picker.pick(key, ring, cands, load)
+    assert decision is not None
+    assert decision.backend_id == walk[1]
+    for backend in walk:
+        for _ in range(2 - load.inflight(backend)):
+            load.acquire(backend)
+    decision = picker.pick(key, ring, cands, load)
+    assert decision is not None and decision.branch is Branch.FALLBACK
+
+
+# -- the ledgers ------------------------------------------------------------------------------------
+
+
+def test_an_owner_whose_cache_turned_over_is_no_longer_followed() -> None:
+    ring, cands = fleet(2)
+    picker = Picker(BalanceConfig())
+    first_key = chat(("system", text(1, 4000)), ("user", "q"))
+    owner = place(picker, first_key, ring, cands)
+    picker.set_capacity(owner, 3 * first_key.size)  # room for about three such prompts
+    assert picker.index is not None
+    assert picker.index.longest_match(first_key.blocks)[0] == len(first_key.blocks)
+    ledgers = picker.ledgers
+    assert ledgers is not None
+    for g in range(2, 8):  # more new prompts on the owner than its cache holds
+        other = chat(("system", text(g, 4000)), ("user", "q"))
+        picker.placed(other, owner)
+    assert picker.index.longest_match(first_key.blocks) == (0, ())
+    assert ledgers.ledger(owner).used_bytes <= 3 * first_key.size
+
+
+def test_a_full_ledger_ranks_by_how_long_it_keeps_things() -> None:
+    ledgers = FootprintLedgers(max_entries=100)
+    for backend in ("a", "b"):
+        ledgers.set_capacity(backend, 1000)
+    ledgers.record("a", (1,), (1000,))  # a's oldest entry: clock 1
+    ledgers.record("b", (2,), (1000,))  # b's: clock 2
+    ledgers.record("b", (3,), (1000,))  # evicts 2; b's oldest is now clock 3
+    assert ledgers.rank("a") < ledgers.rank("b")  # a kept its entry longer: the better home
+    ledgers.set_capacity("c", 5000)
+    ledgers.record("c", (4,), (1000,))
+    assert ledgers.rank("c") < ledgers.rank("a")  # room beats a full cache
+    assert ledgers.rank("unseen") < ledgers.rank("c")  # nothing placed: the most room of all
+
+
+@settings(max_examples=200)
+@given(
+    st.lists(st.tuples(st.lists(st.integers(0, 30), min_size=1, max_size=6), st.integers(1, 500))),
+    st.integers(1, 2000),
+    st.integers(1, 12),
+)
+def test_a_ledger_holds_what_it_says_within_its_capacity(
+    records: list[tuple[list[int], int]], capacity: int, max_entries: int
+) -> None:
+    ledger = BackendLedger(capacity, max_entries)
+    evicted: set[int] = set()
+    for clock, (blocks, size) in enumerate(records):
+        unique = list(dict.fromkeys(blocks))
+        out = ledger.record(unique, [size] * len(unique), clock)
+        evicted.update(out)
+        evicted.difference_update(b for b in unique if b in ledger)
+        assert len(ledger) <= max(1, max_entries)
+        assert ledger.used_bytes <= capacity or len(ledger) == 1
+        assert not any(b in ledger for b in out)
+
+
+def test_block_sizes_span_the_key_material() -> None:
+    key = chat(("system", text(3, 20_000)))
+    sizes = block_sizes(key.ends)[: len(key.blocks)]
+    assert sum(sizes) == key.covered_bytes(len(key.blocks))
+    assert key.covered_bytes(len(key.blocks)) <= key.size
+
+
+@pytest.mark.parametrize("reply_chars", [pytest.param(n, id=f"reply-{n}") for n in (10, 600, 3000, 12000)])
+def test_a_conversation_follows_its_history_however_long_the_reply(reply_chars: int) -> None:
+    """The previous turn's prompt is what the index knows; its reply was generated on the same backend
+    and is cached there too, so a long answer does not make the next turn look new."""
+    ring, cands = fleet(4)
+    picker = Picker(BalanceConfig())
+    system, question = ("system", "be brief"), ("user", text(1, 400))
+    home = place(picker, chat(system, question), ring, cands)
+    turn2 = chat(system, question, ("assistant", text(2, reply_chars)), ("user", text(3, 200)))
+    decision = picker.pick(turn2, ring, cands, LoadTracker())
+    assert decision is not None
+    assert (decision.backend_id, decision.branch) == (home, Branch.PREFIX_MATCH)
+
+
+@pytest.mark.parametrize(
+    ("messages", "span_text"),
+    [
+        pytest.param((("user", "hi"),), None, id="no-reply"),
+        pytest.param((("user", "hi"), ("assistant", "hello there")), "hello there", id="last-message"),
+        pytest.param((("user", "hi"), ("assistant", "é"), ("user", "ok")), "é", id="non-ascii"),
+        pytest.param(
+            (("assistant", "a"), ("user", "b"), ("assistant", "ünï"), ("user", "c")), "ünï", id="last-one"
+        ),
+    ],
+)
+def test_the_reply_span_is_the_last_assistant_message(
+    messages: tuple[tuple[str, str], ...], span_text: str | None
+) -> None:
+    key = chat(*messages)
+    body = {"model": "m", "messages": [{"role": r, "content": c} for r, c in messages]}
+    from prefix_router.routing.keys import openai_text
+
+    encoded = openai_text("/v1/chat/completions", body).encode()
+    start, end = key.reply
+    if span_text is None:
+        assert (start, end) == (0, 0)
+    else:
+        assert encoded[start:end].endswith(span_text.encode())
+        assert encoded[start:end].startswith(b"\x1eassistant")
