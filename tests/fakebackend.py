@@ -41,6 +41,7 @@ class FakeBackend:
     peak_active: int = 0
     cancelled: int = 0  # handlers cancelled because the router closed the connection
     health_probes: int = 0
+    metrics_scrapes: int = 0
     gate: asyncio.Event | None = None  # when set, echo requests wait for it (to hold requests in flight)
     port: int = 0
     _runner: web.AppRunner | None = None
@@ -76,6 +77,9 @@ class FakeBackend:
             if self.health_delay_s:
                 await asyncio.sleep(self.health_delay_s)
             return web.Response(status=self.health_status)
+        if path == "/metrics":  # the router's side scrapes (KV capacity, load signal): no vLLM series
+            self.metrics_scrapes += 1
+            return web.Response(text="", content_type="text/plain")
         now = asyncio.get_running_loop().time()
         self.seen.append(Seen(request.method, path, request.query_string, dict(request.headers), body, now))
         self.active += 1

@@ -26,6 +26,7 @@ from prefix_router.backends import BackendSet, BackendSpec, HealthPolicy
 from prefix_router.discovery import build_discovery
 from prefix_router.health import HealthProber
 from prefix_router.http_server import Exchange, ResponseParts
+from prefix_router.kv_capacity import KvCapacityProbe
 from prefix_router.load_signal import LoadSignalScraper
 from prefix_router.metrics import BackendStatus, FleetSnapshot, RouterMetrics
 from prefix_router.proxy import Proxy
@@ -184,6 +185,18 @@ class RouterApp:
         )
         if discovery is not None:
             self._spawn(discovery.run(self.backends.replace_members), "discovery")
+        if self.picker.ledgers is not None:
+            capacity = KvCapacityProbe(
+                self.backends,
+                self.upstream,
+                self.picker.set_capacity,
+                metrics_path=self.settings.load_signal.path,
+                bytes_per_token=self.settings.routing.bytes_per_token,
+                configured_tokens=self.settings.routing.kv_capacity_tokens,
+                interval_s=self.settings.health.interval_s,
+                timeout_s=self.settings.health.timeout_s,
+            )
+            self._spawn(capacity.run(), "kv_capacity")
         if self.settings.load_signal.enabled:
             scraper = LoadSignalScraper(
                 self.settings.load_signal, self.backends, self.upstream, self.proxy.capacity_changed

@@ -174,3 +174,23 @@ def test_chart_readme_documents_both_discovery_modes() -> None:
     assert "mode: dns" in readme and "mode: kubernetes" in readme
     values_text = (CHART_DIR / "values.yaml").read_text(encoding="utf-8")
     assert "vllm-headless" in values_text
+
+
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [
+        pytest.param({}, "ring", id="two-replicas-by-default"),
+        pytest.param({"replicaCount": 1}, "cache_room", id="one-replica"),
+        pytest.param({"replicaCount": 1, "autoscaling": {"enabled": True}}, "ring", id="an-hpa"),
+        pytest.param(
+            {"config": {"routing": {"first_placement": "cache_room"}}}, "cache_room", id="set-by-user"
+        ),
+    ],
+)
+def test_stateless_replicas_place_new_prefixes_by_the_ring(
+    render: Any, values: dict[str, Any], expected: str, tmp_path: Path
+) -> None:
+    """Each replica's cache-room view is its own: without shared state, only the ring is the same
+    choice on every replica."""
+    settings = load_settings(rendered_config_file(render, values, tmp_path), environ=False)
+    assert settings.routing.first_placement.value == expected

@@ -154,7 +154,7 @@ async def test_local_routes(fake_backends, router, client) -> None:
     assert (await client.get(f"{r.url}/readyz")).status_code == 200
     await client.post(f"{r.url}{CHAT}", json=chat("s"))
     text = (await client.get(f"{r.url}/metrics")).text
-    assert 'prefix_router_decisions_total{branch="affinity"} 1.0' in text
+    assert 'prefix_router_decisions_total{branch="cache_room"} 1.0' in text
     assert "prefix_router_backend_inflight" in text
     assert "prefix_router_ring_members 2.0" in text
     assert not any(b.seen and b.seen[-1].path in ("/healthz", "/metrics") for b in backends)
@@ -255,7 +255,7 @@ async def test_access_log_is_one_line_per_request_without_tenants_or_bodies(
     assert len(lines) == 4, lines
     chosen = resp.headers["x-prefix-router-backend"]
     assert '"POST /v1/chat/completions?trace=1 HTTP/1.1" 200' in lines[0]
-    assert f"backend={chosen} branch=affinity ms=" in lines[0]
+    assert f"backend={chosen} branch=cache_room ms=" in lines[0]
     assert '"TRACE /v1/chat/completions HTTP/1.1" 405 backend=- branch=-' in lines[1]
     assert '"GET /healthz HTTP/1.1" 200 backend=- branch=-' in lines[2]
     assert '"- /v1/chat/completions -" 413' in lines[3]

@@ -1,0 +1,96 @@
+"""The router learns each backend's KV capacity from vLLM's cache_config_info, and first placements
+and owner ageing use it."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import AsyncIterator
+
+import pytest
+from aiohttp import web
+
+from prefix_router.kv_capacity import parse_kv_capacity_tokens
+
+from routerkit import eventually, router_settings
+
+# The line as vLLM 0.x prints it (one engine), and what a data-parallel server adds.
+VLLM_INFO = (
+    b'vllm:cache_config_info{block_size="16",cache_dtype="auto",calculate_kv_scales="False",'
+    b'cpu_offload_gb="0",enable_prefix_caching="True",engine="0",gpu_memory_utilization="0.9",'
+    b'is_attention_free="False",num_cpu_blocks="None",num_gpu_blocks="2048",'
+    b'num_gpu_blocks_override="None",prefix_caching_hash_algo="builtin",sliding_window="None",'
+    b'swap_space="4",swap_space_bytes="4294967296"} 1.0'
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "tokens"),
+    [
+        pytest.param(b"# HELP vllm:cache_config_info x\n" + VLLM_INFO + b"\n", 2048 * 16, id="vllm"),
+        pytest.param(
+            VLLM_INFO + b"\n" + VLLM_INFO.replace(b'engine="0"', b'engine="1"'),
+            2 * 2048 * 16,
+            id="two-engines",
+        ),
+        pytest.param(
+            VLLM_INFO.replace(b'num_gpu_blocks="2048"', b'num_gpu_blocks="None"'), None, id="not-known"
+        ),
+        pytest.param(b'vllm:num_requests_running{engine="0"} 3.0\n', None, id="no-info-metric"),
+        pytest.param(b'vllm:cache_config_info{block_size="16"', None, id="truncated"),
+        pytest.param(b"", None, id="empty"),
+    ],
+)
+def test_capacity_is_read_from_vllms_info_metric(text: bytes, tokens: int | None) -> None:
+    assert parse_kv_capacity_tokens(text) == tokens
+
+
+def _vllm_like(num_gpu_blocks: int | None) -> web.Application:
+    async def metrics(_: web.Request) -> web.Response:
+        body = b"" if num_gpu_blocks is None else VLLM_INFO.replace(b"2048", str(num_gpu_blocks).encode())
+        return web.Response(body=body, content_type="text/plain")
+
+    async def ok(_: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_route("*", "/{tail:.*}", ok)
+    return app
+
+
+@pytest.fixture
+async def vllm_like() -> AsyncIterator[list[str]]:
+    runners: list[web.AppRunner] = []
+    urls: list[str] = []
+    for blocks in (100, 300, None):
+        runner = web.AppRunner(_vllm_like(blocks))
+        await runner.setup()
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        site = web.SockSite(runner, sock)
+        await site.start()
+        runners.append(runner)
+        urls.append(f"http://127.0.0.1:{sock.getsockname()[1]}")
+    yield urls
+    for runner in runners:
+        await runner.cleanup()
+
+
+async def test_the_router_learns_each_backends_capacity(vllm_like, router) -> None:
+    r = await router(router_settings(vllm_like, health={"interval_s": 0.05}))
+    ledgers = r.app.picker.ledgers
+    assert ledgers is not None
+    a, b, c = vllm_like
+    await eventually(lambda: ledgers.capacity(a) == 100 * 16 * 4.0 and ledgers.capacity(b) == 300 * 16 * 4.0)
+    unknown = ledgers.capacity(c)
+    assert unknown > ledgers.capacity(b)  # a backend that does not say is treated as roomy, not as empty
+
+
+async def test_a_configured_capacity_wins(vllm_like, router) -> None:
+    settings = router_settings(
+        vllm_like, routing={"kv_capacity_tokens": 5000, "bytes_per_token": 3.0}, health={"interval_s": 0.05}
+    )
+    r = await router(settings)
+    ledgers = r.app.picker.ledgers
+    assert ledgers is not None
+    await eventually(lambda: all(ledgers.capacity(u) == 15000.0 for u in vllm_like))
