@@ -64,13 +64,22 @@ class BackendLedger:
         Deepest first, so a prefix's shallow blocks end most recently used and eviction trims old
         prefixes from their tails, as vLLM frees a finished request's blocks tail first."""
         entries = self._blocks
-        for block, size in zip(reversed(blocks), reversed(sizes), strict=True):
-            old = entries.pop(block, None)
-            if old is not None:
-                self._used -= old[0]
-            entries[block] = (size, clock)
-            self._used += size
-        return self._shrink()
+        touch = entries.move_to_end
+        used = self._used
+        for i in range(len(blocks) - 1, -1, -1):
+            block = blocks[i]
+            old = entries.get(block)
+            if old is None:
+                size = sizes[i]
+                used += size
+                entries[block] = (size, clock)
+            else:  # a chained hash names one position and content: the size is the same
+                entries[block] = (old[0], clock)
+                touch(block)
+        self._used = used
+        if used > self._capacity or len(entries) > self._max_entries:
+            return self._shrink()
+        return []
 
     def set_capacity(self, capacity_bytes: float) -> list[int]:
         self._capacity = capacity_bytes
@@ -90,7 +99,7 @@ class BackendLedger:
 class FootprintLedgers:
     """One ledger per backend and a shared clock; `on_evict(block, backend)` drops stale owners."""
 
-    __slots__ = ("_capacity_of", "_clock", "_ledgers", "_max_entries", "_on_evict")
+    __slots__ = ("_capacity_of", "_clock", "_ledgers", "_max_entries", "_on_evict", "_ranks")
 
     def __init__(self, max_entries: int, on_evict: Callable[[int, str], None] | None = None) -> None:
         self._ledgers: dict[str, BackendLedger] = {}
@@ -98,6 +107,7 @@ class FootprintLedgers:
         self._max_entries = max_entries
         self._on_evict = on_evict
         self._clock = 0
+        self._ranks: dict[str, tuple[int, float]] = {}  # kept with every change: a pick only reads
 
     def ledger(self, backend_id: str) -> BackendLedger:
         ledger = self._ledgers.get(backend_id)
@@ -113,17 +123,25 @@ class FootprintLedgers:
         ledger = self._ledgers.get(backend_id)
         if ledger is not None:
             self._evicted(ledger.set_capacity(capacity), backend_id)
+        self._ranks[backend_id] = self._rank_now(backend_id)
 
     def capacity(self, backend_id: str) -> float:
         return self._capacity_of.get(backend_id, UNKNOWN_CAPACITY_BYTES)
 
     def record(self, backend_id: str, blocks: Sequence[int], sizes: Sequence[int]) -> None:
         self._clock += 1
-        self._evicted(self.ledger(backend_id).record(blocks, sizes, self._clock), backend_id)
+        evicted = self.ledger(backend_id).record(blocks, sizes, self._clock)
+        if evicted:
+            self._evicted(evicted, backend_id)
+        self._ranks[backend_id] = self._rank_now(backend_id)
 
     def rank(self, backend_id: str) -> tuple[int, float]:
         """Smaller is a better home for a new prefix: (0, -room) while there is room, then
         (1, last use of the oldest entry): the cache that keeps things longest."""
+        rank = self._ranks.get(backend_id)
+        return rank if rank is not None else (0, -self.capacity(backend_id))
+
+    def _rank_now(self, backend_id: str) -> tuple[int, float]:
         ledger = self._ledgers.get(backend_id)
         if ledger is None:
             return (0, -self.capacity(backend_id))
@@ -134,6 +152,7 @@ class FootprintLedgers:
     def forget(self, backend_id: str) -> None:
         self._ledgers.pop(backend_id, None)
         self._capacity_of.pop(backend_id, None)
+        self._ranks.pop(backend_id, None)
 
     def backends(self) -> Iterable[str]:
         return self._ledgers.keys()

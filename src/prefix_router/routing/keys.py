@@ -113,7 +113,7 @@ def extract_key(path: str, body: bytes, tenant: str | None, config: KeyConfig) -
             else:
                 material = text[: config.prefix_chars].encode("utf-8", "surrogatepass")
             key = _key(_OPENAI, material, encoded[: config.max_key_bytes], tenant, model, config, streaming)
-            key.reply = _reply_span(text, encoded)
+            key.reply = _reply_span(text, encoded, config.max_key_bytes)
             return key
 
     if parsed:
@@ -136,9 +136,10 @@ def extract_key(path: str, body: bytes, tenant: str | None, config: KeyConfig) -
 _ASSISTANT = _MSG + "assistant" + _FIELD
 
 
-def _reply_span(text: str, encoded: bytes) -> tuple[int, int]:
-    """Byte span of the last assistant message of the rendered text; (0, 0) when there is none."""
-    start = text.rfind(_ASSISTANT)
+def _reply_span(text: str, encoded: bytes, limit: int) -> tuple[int, int]:
+    """Byte span of the last assistant message starting in the first `limit` characters (the blocks
+    go no deeper); (0, 0) when there is none."""
+    start = text.rfind(_ASSISTANT, 0, limit)
     if start < 0:
         return (0, 0)
     end = text.find(_MSG, start + 1)
