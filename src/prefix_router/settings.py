@@ -29,7 +29,7 @@ from pydantic_settings import (
 )
 
 from prefix_router.errors import SettingsError
-from prefix_router.routing.config import BalanceConfig, FirstPlacement, KeyConfig, KeyMode, Policy
+from prefix_router.routing.config import BalanceConfig, FirstPlacement, KeyConfig, KeyMode, Policy, RingKey
 
 ENV_PREFIX = "PREFIX_ROUTER_"
 CONFIG_ENV = "PREFIX_ROUTER_CONFIG"  # path of the YAML file, when --config is not given
@@ -122,6 +122,10 @@ class DiscoverySettings(_Section):
 class RoutingSettings(_Section):
     mode: KeyMode = KeyMode.AUTO
     prefix_chars: int = Field(4096, gt=0)  # ~1k tokens: a system prompt, not the whole conversation
+    # `conversation`: the ring key ends at the end of the preamble (tools, system) when it is most of
+    # the first exchange, else at the end of the first message after it (at most prefix_chars), so
+    # every turn of a conversation and every replica agree; `prefix`: always prefix_chars.
+    ring_key: RingKey = RingKey.CONVERSATION
     prefix_bytes: int = Field(4096, gt=0)  # native APIs: the same budget in bytes of canonical JSON
     tenant_header: str = "x-prefix-cache-key"
     trust_prompt_cache_key: bool = True  # use OpenAI's `prompt_cache_key` body field as the tenant
@@ -242,6 +246,8 @@ class Settings(BaseSettings):
             r.block_bytes,
             r.max_key_bytes,
             "prompt_cache_key" if r.trust_prompt_cache_key else None,
+            r.ring_key,
+            r.follow_threshold,
         )
 
     def balance_config(self) -> BalanceConfig:

@@ -11,12 +11,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefix_router.routing.config import KeyConfig, KeyMode
+from prefix_router.routing.config import KeyConfig, KeyMode, RingKey
 from prefix_router.routing.hashing import hash_parts
-from prefix_router.routing.keys import KeySource, RoutingKey, block_ends, extract_key, openai_text
+from prefix_router.routing.keys import (
+    KeySource,
+    RoutingKey,
+    block_ends,
+    conversation_end,
+    extract_key,
+    openai_text,
+)
 
 CHAT = "/v1/chat/completions"
 DEFAULT = KeyConfig()
+ROLE_MARK = {role: f"\x1e{role}\x1f" for role in ("system", "user", "assistant")}
 SYSTEM = "You are a helpful assistant. " * 20  # 580 chars: spans a few blocks
 
 
@@ -77,7 +85,6 @@ def test_chat_key_ignores_field_order_around_messages() -> None:
         pytest.param(chat(("user", "q1")), chat(("user", "q2")), id="user"),
         pytest.param(chat(("user", "q")), chat(("assistant", "q")), id="role"),
         pytest.param(chat(("user", "ab"), ("user", "c")), chat(("user", "a"), ("user", "bc")), id="boundary"),
-        pytest.param(chat(("user", "q")), chat(("user", "q"), ("assistant", "a")), id="extra-turn"),
         pytest.param(
             chat(("user", "q")), chat(("user", "q"), tools=[{"type": "function"}]), id="tools-added"
         ),
@@ -268,10 +275,63 @@ def test_ring_hash_is_tenant_model_and_first_prefix_chars(
     tenant: str | None, model: str | None, content: str, prefix_chars: int
 ) -> None:
     body = chat(("user", content)) | {"model": model}
-    k = key(CHAT, body, tenant, KeyConfig(prefix_chars=prefix_chars))
+    k = key(CHAT, body, tenant, KeyConfig(prefix_chars=prefix_chars, ring_key=RingKey.PREFIX))
     material = openai_text(CHAT, body)[:prefix_chars].encode("utf-8", "surrogatepass")
     assert k.ring_hash == hash_parts(_utf8(tenant), _utf8(model), material)
     assert (k.tenant, k.model) == (tenant, model)
+
+
+@settings(max_examples=200)
+@given(
+    tenant=st.none() | st.text(max_size=50),
+    system=st.text(max_size=3000),
+    turns=st.lists(st.text(max_size=300), min_size=1, max_size=4),
+    prefix_chars=st.integers(1, 5000),
+)
+def test_conversation_ring_hash_is_tenant_model_and_the_text_up_to_its_end(
+    tenant: str | None, system: str, turns: list[str], prefix_chars: int
+) -> None:
+    roles = ("user", "assistant")
+    body = chat(("system", system), *((roles[i % 2], t) for i, t in enumerate(turns)))
+    k = key(CHAT, body, tenant, KeyConfig(prefix_chars=prefix_chars))
+    text = openai_text(CHAT, body)
+    end = conversation_end(text, prefix_chars, 0.5)
+    assert 0 < end <= prefix_chars
+    material = text[:end].encode("utf-8", "surrogatepass")
+    assert k.ring_hash == hash_parts(_utf8(tenant), _utf8("m"), material)
+    # Every later turn of the same conversation has the first turn's ring position.
+    first = key(
+        CHAT, chat(("system", system), ("user", turns[0])), tenant, KeyConfig(prefix_chars=prefix_chars)
+    )
+    assert first.ring_hash == k.ring_hash
+
+
+SHORT_SYSTEM = "You are a helpful assistant."
+LONG_SYSTEM = "You review contracts. " * 100  # 2,200 characters
+
+
+@pytest.mark.parametrize(
+    ("system", "question", "ends_at"),
+    [
+        pytest.param(LONG_SYSTEM, "q" * 200, "preamble", id="long-system-short-question"),
+        pytest.param(LONG_SYSTEM, "q" * 3000, "first-message", id="long-system-longer-question"),
+        pytest.param(SHORT_SYSTEM, "q" * 200, "first-message", id="short-system-is-shared-too-widely"),
+        pytest.param(None, "q" * 200, "first-message", id="no-system"),
+        pytest.param("s" * 5000, "q", "limit", id="preamble-past-prefix-chars"),
+    ],
+)
+def test_where_a_conversations_ring_key_ends(system: str | None, question: str, ends_at: str) -> None:
+    messages = ([("system", system)] if system is not None else []) + [("user", question)]
+    body = chat(*messages, ("assistant", "an answer"), ("user", "a follow-up"))
+    text = openai_text(CHAT, body)
+    end = conversation_end(text, 4096, 0.5)
+    preamble = 0 if system is None else len(ROLE_MARK["system"]) + len(system)
+    expected = {
+        "preamble": preamble,
+        "first-message": min(4096, preamble + len(ROLE_MARK["user"]) + len(question)),
+        "limit": 4096,
+    }[ends_at]
+    assert end == expected
 
 
 def _common_prefix_len(a: bytes, b: bytes) -> int:
@@ -298,7 +358,9 @@ def test_blocks_follow_a_growing_conversation() -> None:
     turn1 = chat(("system", SYSTEM), ("user", "first question"))
     turn2 = chat(("system", SYSTEM), ("user", "first question"), ("assistant", "answer"), ("user", "next"))
     a, b = key(CHAT, turn1), key(CHAT, turn2)
-    assert a.ring_hash != b.ring_hash  # the whole conversation is within prefix_chars
+    assert a.ring_hash == b.ring_hash  # a conversation keeps its ring position over its turns
+    prefix_only = KeyConfig(ring_key=RingKey.PREFIX)
+    assert key(CHAT, turn1, config=prefix_only).ring_hash != key(CHAT, turn2, config=prefix_only).ring_hash
     assert len(a.blocks) >= 2
     assert b.blocks[: len(a.blocks)] == a.blocks
 

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefix_router.routing.config import BalanceConfig, FirstPlacement, KeyConfig, Policy
+from prefix_router.routing.config import BalanceConfig, FirstPlacement, KeyConfig, Policy, RingKey
 from prefix_router.routing.keys import KeySource, RoutingKey, extract_key
 from prefix_router.routing.load import LoadTracker, load_ok
 from prefix_router.routing.picker import Branch, Candidates, Picker
@@ -50,8 +50,10 @@ def chat_key(*contents: str) -> RoutingKey:
     system = {"role": "system", "content": "You are a careful assistant. " * 30}
     roles = ["user", "assistant"]
     messages = [system] + [{"role": roles[i % 2], "content": c} for i, c in enumerate(contents)]
+    # Keyed on the first prefix_chars: a turn's ring position moves, so only the index can follow it.
+    config = KeyConfig(ring_key=RingKey.PREFIX)
     return extract_key(
-        "/v1/chat/completions", orjson.dumps({"model": "m", "messages": messages}), None, KeyConfig()
+        "/v1/chat/completions", orjson.dumps({"model": "m", "messages": messages}), None, config
     )
 
 

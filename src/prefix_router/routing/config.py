@@ -19,6 +19,16 @@ class Policy(StrEnum):
     LEAST_LOADED = "least_loaded"
 
 
+class RingKey(StrEnum):
+    """Where an OpenAI request's ring key ends (never past prefix_chars)."""
+
+    # The preamble (tools, system and developer messages) when it is most of the first exchange and
+    # at least MIN_PREAMBLE_CHARS long, else the preamble and the first message after it: stable over
+    # a conversation's turns and the same on every replica, with no state shared.
+    CONVERSATION = "conversation"
+    PREFIX = "prefix"  # always the first prefix_chars characters
+
+
 class FirstPlacement(StrEnum):
     """Where a prefix goes that no backend holds enough of."""
 
@@ -34,6 +44,8 @@ class KeyConfig:
     block_bytes: int = 256
     max_key_bytes: int = 262144
     tenant_body_field: str | None = "prompt_cache_key"  # OpenAI's field; None: header only
+    ring_key: RingKey = RingKey.CONVERSATION
+    preamble_share: float = 0.5  # of the first exchange, for the preamble alone to be the ring key
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 
 from prefix_router.routing.canonical import NotCanonicalisable, canonical_bytes, canonical_prompt, parse_json
-from prefix_router.routing.config import KeyConfig, KeyMode
+from prefix_router.routing.config import KeyConfig, KeyMode, RingKey
 from prefix_router.routing.hashing import encode_parts, hash_bytes, hash_rooted, prefix_hashes
 
 OPENAI_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings"})
@@ -107,11 +107,16 @@ def extract_key(path: str, body: bytes, tenant: str | None, config: KeyConfig) -
             text = ""  # a part too deep to encode: the request still routes, by its raw bytes below
         if text:
             encoded = text.encode("utf-8", "surrogatepass")
-            # The first prefix_chars characters: of ASCII text, the first as many bytes (a view: no copy).
+            ring_end = config.prefix_chars
+            if config.ring_key is _RING_CONVERSATION and (
+                "messages" in doc or path.endswith(("/chat/completions", "/responses"))
+            ):
+                ring_end = conversation_end(text, ring_end, config.preamble_share)
+            # The first ring_end characters: of ASCII text, the first as many bytes (a view: no copy).
             if text.isascii():
-                material: bytes | memoryview = memoryview(encoded)[: config.prefix_chars]
+                material: bytes | memoryview = memoryview(encoded)[:ring_end]
             else:
-                material = text[: config.prefix_chars].encode("utf-8", "surrogatepass")
+                material = text[:ring_end].encode("utf-8", "surrogatepass")
             key = _key(_OPENAI, material, encoded[: config.max_key_bytes], tenant, model, config, streaming)
             key.reply = _reply_span(text, encoded, config.max_key_bytes)
             return key
@@ -134,6 +139,34 @@ def extract_key(path: str, body: bytes, tenant: str | None, config: KeyConfig) -
 
 
 _ASSISTANT = _MSG + "assistant" + _FIELD
+_PREAMBLE = tuple(role + _FIELD for role in ("tools", "system", "developer", "instructions"))
+_RING_CONVERSATION = RingKey.CONVERSATION
+# A preamble shorter than this (~256 tokens: "You are a helpful assistant.") is shared too widely and
+# saves too little to decide placement alone: the first message after it joins the key.
+MIN_PREAMBLE_CHARS = 1024
+
+
+def conversation_end(text: str, limit: int, preamble_share: float) -> int:
+    """Where the ring key of rendered OpenAI text ends: the end of the preamble when it is at least
+    MIN_PREAMBLE_CHARS and `preamble_share` of the first exchange (preamble plus the message after
+    it), else the end of that first message; never past `limit`.
+
+    Both ends stay where they are as a conversation grows, so every turn has the ring position of the
+    first, on every replica. Only the first `limit` characters are searched."""
+    pos = 0
+    while text.startswith(_MSG, pos) and text.startswith(_PREAMBLE, pos + 1):
+        pos = text.find(_MSG, pos + 1, limit)
+        if pos < 0:
+            return limit  # the preamble runs past the limit
+    preamble = pos
+    # The first message may end past the limit; far enough to weigh the preamble against it is enough.
+    bound = limit if preamble_share <= 0 else max(limit, int(preamble / preamble_share) + 1)
+    first = text.find(_MSG, preamble + 1, bound)
+    if first < 0:
+        first = min(bound, len(text))
+    if preamble >= MIN_PREAMBLE_CHARS and preamble >= preamble_share * first:
+        return preamble
+    return min(first, limit)
 
 
 def _reply_span(text: str, encoded: bytes, limit: int) -> tuple[int, int]:
