@@ -168,7 +168,7 @@ class RouterApp:
             if self.draining:
                 status, text = 503, b'{"status":"draining"}'
             elif not self.backends.is_ready():
-                status, text = 503, b'{"status":"no healthy backend"}'
+                status, text = 503, b'{"status":"no backend has passed a health probe"}'
             else:
                 text = b'{"status":"ready"}'
         return status, [(b"content-type", _JSON), _length(text)], text
