@@ -7,6 +7,7 @@ import asyncio
 import platform
 
 import httpx
+from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 import prefix_router
@@ -16,9 +17,10 @@ from prefix_router.metrics import (
     PREFILL_OUTCOMES,
     RETRY_REASONS,
     ROUTER_ERROR_CODES,
-    STATUS_CLASSES,
     UPSTREAM_ERROR_KINDS,
     WAIT_REASONS,
+    FleetSnapshot,
+    RouterMetrics,
 )
 from prefix_router.routing.picker import Branch
 
@@ -64,7 +66,7 @@ async def test_every_labelled_counter_starts_at_zero(fake_backends, router, clie
     got = await scrape(client, r)
     for b in backends:
         for branch in Branch:
-            for klass in STATUS_CLASSES:
+            for klass in ("2xx", "4xx", "5xx"):
                 labels = {"backend": b.url, "branch": branch.value, "status_class": klass}
                 assert value(got, "prefix_router_requests_total", **labels) == 0.0, labels
         for kind in UPSTREAM_ERROR_KINDS:
@@ -218,3 +220,15 @@ async def test_capacity_waits_are_observed(fake_backends, router, client) -> Non
     assert value(got, "prefix_router_wait_seconds_count", reason="capacity") == 1.0
     assert value(got, "prefix_router_wait_seconds_sum", reason="capacity") >= 0.04
     assert value(got, "prefix_router_wait_seconds_count", reason="prefill") == 0.0
+
+
+def test_a_status_class_not_initialised_is_counted_on_first_use() -> None:
+    registry = CollectorRegistry()
+    metrics = RouterMetrics(registry, lambda: FleetSnapshot(backends=[], ejection_cap_active=False))
+    series = metrics.backend("http://10.0.0.1:8000")
+    labels = {"backend": "http://10.0.0.1:8000", "branch": "affinity", "status_class": "3xx"}
+    assert registry.get_sample_value("prefix_router_requests_total", labels) is None
+    series.answered(Branch.AFFINITY, 302)
+    series.answered(Branch.AFFINITY, 200)
+    assert registry.get_sample_value("prefix_router_requests_total", labels) == 1.0
+    assert registry.get_sample_value("prefix_router_requests_total", {**labels, "status_class": "2xx"}) == 1.0
