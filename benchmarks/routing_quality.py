@@ -231,7 +231,8 @@ def router_command(policy: PolicySpec, urls: list[str], port: int, workdir: Path
             "--policy", "cache_aware", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warn",
         ]  # fmt: skip
     config: dict[str, Any] = {
-        "server": {"host": "127.0.0.1", "port": port, "log_level": "warning"},
+        # backend_header: the tenants workload's stickiness is read from it
+        "server": {"host": "127.0.0.1", "port": port, "log_level": "warning", "backend_header": True},
         "backends": [{"url": u} for u in urls],
         "balancing": {"max_inflight": ROUTER_MAX_INFLIGHT},
         "health": {"interval_s": 2.0},

@@ -50,6 +50,8 @@ def router_settings(backends: list[FakeBackend] | list[str], **sections: dict[st
     overrides: dict[str, Any] = {"backends": [{"url": u} for u in urls]}
     # Tests drive health themselves; a slow prober keeps runs deterministic unless a test asks.
     overrides["health"] = {"interval_s": 3600.0}
+    # Tests read which backend answered from the header, which is off by default.
+    overrides["server"] = {"backend_header": True}
     for name, values in sections.items():
         overrides[name] = {**overrides.get(name, {}), **values}
     return load_settings(None, overrides, environ=False)

@@ -56,6 +56,10 @@ def test_initial_state() -> None:
     bs = make()
     assert bs.candidates.ids == tuple(sorted(URLS))
     assert bs.ring.members == tuple(sorted(URLS))
+    assert not bs.is_ready()  # configured is not ready: no backend has answered a probe yet
+    bs.record_success(A, probe=False)
+    assert not bs.is_ready()  # nor is a request served
+    bs.record_success(A, probe=True)
     assert bs.is_ready()
     assert not bs.all_ejected_override
     assert bs.get("http://nope:1") is None
@@ -125,6 +129,8 @@ def test_ejected_keys_come_back_and_others_never_move() -> None:
 )
 def test_ejection_cap(ratio: float, ejected: int, expected_candidates: int, override: bool) -> None:
     bs = make(unhealthy_threshold=3, max_ejected_ratio=ratio)
+    for url in URLS:
+        bs.record_success(url, probe=True)
     # Eject the first `ejected` backends with different failure counts, least-failing last.
     for i, url in enumerate(URLS[:ejected]):
         fail(bs, url, 3 + ejected - i)

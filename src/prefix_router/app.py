@@ -22,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from pydantic import BaseModel
 
 from prefix_router import errors
+from prefix_router.access_log import LOGGER_NAME, JsonAccessLog
 from prefix_router.backends import BackendSet, BackendSpec, HealthPolicy
 from prefix_router.discovery import build_discovery
 from prefix_router.health import HealthProber
@@ -35,7 +36,7 @@ from prefix_router.settings import Settings, normalise_backend_url
 from prefix_router.upstream import Upstream
 
 log = logging.getLogger("prefix_router")
-access_log = logging.getLogger("prefix_router.access")
+access_log = logging.getLogger(LOGGER_NAME)
 
 LOCAL_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 _JSON = b"application/json"
@@ -103,9 +104,14 @@ class RouterApp:
         self.metrics = RouterMetrics(self.registry, self.snapshot)
         self.proxy = Proxy(settings, self.backends, self.picker, self.upstream, self.metrics, rng)
         self.draining = False
+        self.access_log: JsonAccessLog | None = None
         if settings.server.access_log:
             access_log.setLevel(logging.INFO)  # shown whatever log_level says: it was asked for
+            skip = () if settings.server.access_log_probes else LOCAL_PATHS
+            self.access_log = JsonAccessLog(access_log, skip)
         self._known: set[str] = set(b.url for b in self.backends.backends())
+        for url in self._known:
+            self.metrics.backend(url)  # its series at 0 from the start
         self.backends.on_change(self._membership_changed)
         self._tasks: list[asyncio.Task[None]] = []
         self.metrics_app = self._build_metrics_app()
@@ -118,45 +124,26 @@ class RouterApp:
             if ex.method in ("GET", "HEAD"):
                 ex.respond(*self.local_answer(ex.path))
             else:
-                ex.respond(*self.render_error(errors.MethodNotAllowed(f"{ex.path} answers GET only")))
+                self._answer_error(ex, errors.MethodNotAllowed(f"{ex.path} answers GET only"))
             return
         try:
             await self.proxy.handle(ex)
         except errors.RouterError as exc:
             if not ex.started:
-                ex.respond(*self.render_error(exc))
+                self._answer_error(ex, exc)
 
-    # -- the access log (http_server.AccessLog), when server.access_log is on --------------------
-
-    def answered(self, ex: Exchange, duration_s: float) -> None:
-        """One line per request; 499 for a client that left first, as nginx logs it. Never a body,
-        a tenant, or a header value."""
-        status = 499 if ex.client_gone else ex.status
-        access_log.info(
-            '%s "%s %s HTTP/%s" %d backend=%s branch=%s ms=%.1f',
-            ex.client_ip or "-",
-            ex.method,
-            ex.target.decode("latin-1"),
-            "1.1" if ex.http_11 else "1.0",
-            status,
-            ex.backend or "-",
-            ex.branch or "-",
-            duration_s * 1000,
-        )
-
-    def refused(self, client_ip: str | None, target: bytes, status: int) -> None:
-        """The access line of a request the listener refused before it was whole (400/408/413/431)."""
-        access_log.info(
-            '%s "- %s -" %d backend=- branch=- ms=-',
-            client_ip or "-",
-            target.decode("latin-1") or "-",
-            status,
-        )
-
-    def render_error(self, exc: errors.RouterError) -> ResponseParts:
-        """An error the router answers itself, counted by its code."""
+    def _answer_error(self, ex: Exchange, exc: errors.RouterError) -> None:
+        """An error the router answers on an exchange: counted with the backend tried, if any."""
         parts = error_response_parts(exc)
         self.metrics.router_errors.labels(error_code(exc)[2]).inc()
+        self.metrics.answered_by_router(parts[0], ex.backend, ex.branch)
+        ex.respond(*parts)
+
+    def render_error(self, exc: errors.RouterError) -> ResponseParts:
+        """An error the listener answers before the request reached `handle`, counted by its code."""
+        parts = error_response_parts(exc)
+        self.metrics.router_errors.labels(error_code(exc)[2]).inc()
+        self.metrics.answered_by_router(parts[0], None, None)
         return parts
 
     def local_answer(self, path: str) -> ResponseParts:
@@ -169,7 +156,7 @@ class RouterApp:
             if self.draining:
                 status, text = 503, b'{"status":"draining"}'
             elif not self.backends.is_ready():
-                status, text = 503, b'{"status":"no healthy backend"}'
+                status, text = 503, b'{"status":"no backend has passed a health probe"}'
             else:
                 text = b'{"status":"ready"}'
         return status, [(b"content-type", _JSON), _length(text)], text
@@ -240,6 +227,8 @@ class RouterApp:
             self.metrics.forget_backend(gone)
             self.backends.load.clear_external(gone)
             self.upstream.forget(gone)
+        for joined in now - self._known:
+            self.metrics.backend(joined)
         self._known = now
 
     # -- local routes and admin ----------------------------------------------------------------

@@ -41,6 +41,7 @@ class Backend:
     recovered_at: float | None = None  # monotonic time of the last recovery (slow start)
     removed: bool = False  # no longer wanted by discovery: leave once drained
     served_at: float | None = None  # monotonic time of the last request served without error
+    probed: bool = False  # passed a health probe since it joined: what readiness waits for
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +106,9 @@ class BackendSet:
         return self._backends.get(url)
 
     def is_ready(self) -> bool:
-        return any(b.state is HealthState.HEALTHY for b in self._backends.values())
+        """A healthy backend has answered a probe: configured or discovered is not enough, as an
+        unreachable backend stays healthy until unhealthy_threshold probes have failed."""
+        return any(b.state is HealthState.HEALTHY and b.probed for b in self._backends.values())
 
     def on_change(self, callback: Callable[[], None]) -> None:
         self._listeners.on_change.append(callback)
@@ -196,7 +199,9 @@ class BackendSet:
         if backend is None or backend.state is HealthState.DRAINING:
             return
         backend.failures = 0
-        if not probe:
+        if probe:
+            backend.probed = True
+        else:
             backend.served_at = self._clock()
         if backend.state is HealthState.EJECTED:
             # Only probes bring a backend back, and only after healthy_threshold in a row.

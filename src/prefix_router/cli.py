@@ -113,6 +113,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
     settings = load_or_exit(args)
     configure_logging(settings.server.log_level)
+    if settings.server.access_log:
+        from prefix_router.access_log import LOGGER_NAME, route_to_stdout
+
+        route_to_stdout(logging.getLogger(LOGGER_NAME))
     if not settings.backends and settings.discovery.mode.value == "static":
         print(
             "prefix-router: config error: backends: no backends (give --backend URL or a config file)",

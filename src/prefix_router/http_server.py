@@ -89,6 +89,7 @@ class Exchange:
         "query",
         "raw_path",
         "scheme",
+        "sent",
         "started",
         "status",
         "target",
@@ -125,6 +126,7 @@ class Exchange:
         self.status = 0
         self.backend: str | None = None  # for the access log: who answered, on which branch
         self.branch: str | None = None
+        self.sent = 0  # response body bytes written, for the access log
         self._head = b""
         self._mode = _NONE
 
@@ -177,6 +179,7 @@ class Exchange:
         if not data or self._mode == _NONE:
             self.flush()
             return
+        self.sent += len(data)
         if self._mode == _CHUNKED:
             data = b"%x\r\n%b\r\n" % (len(data), data)
         if self._head:

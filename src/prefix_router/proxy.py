@@ -128,6 +128,7 @@ class Proxy:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + balancing.queue_timeout_s
         wait = self._prefill_wait_s > 0 and not exclude
+        queued_s = 0.0  # time spent in the capacity queue, observed once per request
         while True:
             candidates = self._backends.candidates_now(self._rng)
             decision = self._picker.pick(
@@ -140,18 +141,26 @@ class Proxy:
                 await self._wait_for_prefill(decision.wait_for)
                 continue
             if self._backends.load.load(decision.backend_id) < balancing.max_inflight:
+                if queued_s:
+                    self._metrics.waited("capacity", queued_s)
                 return decision
             left = deadline - loop.time()
-            if not await self._waiters.wait(left):
+            began = time.perf_counter()
+            woken = await self._waiters.wait(left)
+            queued_s += time.perf_counter() - began
+            if not woken:
+                self._metrics.waited("capacity", queued_s)
                 raise Overloaded(
                     f"every backend is at its limit of {balancing.max_inflight} requests in flight",
                     retry_after_s=1,
                 )
 
     async def _wait_for_prefill(self, ticket: int) -> None:
+        began = time.perf_counter()
         outcome = await self._prefills.wait(ticket, self._prefill_wait_s)
         if outcome is not None:
             self._metrics.prefill_waits.labels(outcome).inc()
+            self._metrics.waited("prefill", time.perf_counter() - began)
 
     def _start_prefill(self, key: RoutingKey, backend: str) -> int | None:
         if self._prefill_wait_s <= 0:
@@ -204,6 +213,7 @@ class Proxy:
             ex.branch = branch.value
             self._metrics.decided(branch)
             lease = self._backends.load.acquire(backend)
+            self._picker.chosen(key, backend)
             if retrying:
                 self._retrying += 1
             prefill = self._start_prefill(key, backend)

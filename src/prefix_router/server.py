@@ -84,7 +84,7 @@ class RouterServer:
             self._exit = asyncio.Event()
         app, s = self.app, self.app.settings.server
         await app.start()
-        listener = Listener(app.handle, app.render_error, listener_limits(s), app if s.access_log else None)
+        listener = Listener(app.handle, app.render_error, listener_limits(s), app.access_log)
         try:
             if self._sockets:
                 for sock in self._sockets:

@@ -49,8 +49,12 @@ class ServerSettings(_Section):
     # A client that takes nothing of a response for this long is disconnected, and its backend
     # request cancelled with it (nginx's send_timeout): a stalled reader must not hold a GPU slot.
     send_timeout_s: float = Field(60.0, gt=0)
-    access_log: bool = False  # one line per request on logger prefix_router.access (INFO)
-    backend_header: bool = True  # add x-prefix-router-backend naming the backend that answered
+    access_log: bool = False  # one JSON line per request on logger prefix_router.access (INFO)
+    # Also log /healthz, /readyz and /metrics: off, as probes and scrapes would be most of the lines.
+    access_log_probes: bool = False
+    # Add x-prefix-router-backend naming the backend (its URL) that answered. Off: the URL is an
+    # internal address that every client would see; operators have the access log and metrics.
+    backend_header: bool = False
     metrics_port: int | None = Field(None, ge=0, le=65535)  # None: /metrics on the main port only
     admin_host: str = "127.0.0.1"  # the admin listener is private by default
     admin_port: int | None = Field(None, ge=0, le=65535)  # None: no admin listener (drain API off)

@@ -44,7 +44,8 @@ def test_dashboard_is_well_formed(dashboard: dict[str, Any]) -> None:
     "pattern",
     [
         pytest.param(
-            r"sum by \(branch\) \(rate\(prefix_router_requests_total\{[^}]*\}\[1m\]\)\)", id="branch"
+            r"sum by \(branch\) \(rate\(prefix_router_decisions_total\{[^}]*\}\[\$__rate_interval\]\)\)",
+            id="branch",
         ),
         pytest.param(r"prefix_router_backend_inflight", id="inflight"),
         pytest.param(r"sum by \(backend\) \(rate\(prefix_router_requests_total", id="request-share"),
@@ -62,8 +63,16 @@ def test_dashboard_is_well_formed(dashboard: dict[str, Any]) -> None:
         pytest.param(r"prefix_router_retries_total", id="retries"),
         pytest.param(r"prefix_router_backend_healthy", id="health"),
         pytest.param(r"prefix_router_ring_members", id="ring"),
+        pytest.param(r"prefix_router_wait_seconds_bucket", id="waits"),
+        pytest.param(r"sum by \(code\) \(rate\(prefix_router_errors_total", id="router-errors"),
+        pytest.param(r"sum by \(status_class\) \(rate\(prefix_router_requests_total", id="status-classes"),
+        pytest.param(r"prefix_router_backend_state", id="states"),
         pytest.param(
-            r"rate\(vllm:prefix_cache_hits_total\{[^}]*\}\[5m\]\)\)"
+            r"on \(backend_instance\) group_left \(backend\)[^/]*prefix_router_backend_info", id="join"
+        ),
+        pytest.param(r"process_cpu_seconds_total.*prefix_router_build_info", id="process"),
+        pytest.param(
+            r"rate\(vllm:prefix_cache_hits_total\{[^}]*\}\[\$__rate_interval\]\)\)"
             r" / sum\(rate\(vllm:prefix_cache_queries_total",
             id="vllm-hit-rate",
         ),
@@ -71,6 +80,22 @@ def test_dashboard_is_well_formed(dashboard: dict[str, Any]) -> None:
 )
 def test_dashboard_has_panel_for(dashboard: dict[str, Any], pattern: str) -> None:
     assert any(re.search(pattern, e) for e in exprs(dashboard)), pattern
+
+
+def test_no_query_hard_codes_a_rate_range(dashboard: dict[str, Any]) -> None:
+    """A fixed [1m] is empty at a 60 s scrape interval; $__rate_interval follows the data source's."""
+    for expr in exprs(dashboard):
+        for window in re.findall(r"\[([^\]]+)\]", expr):
+            assert window == "$__rate_interval", expr
+
+
+def test_affinity_share_counts_every_cache_affine_branch(dashboard: dict[str, Any]) -> None:
+    by_title = {p["title"]: p for p in dashboard["panels"]}
+    share = next(
+        t for t in by_title["vLLM prefix-cache hit rate"]["targets"] if "affinity" in t["legendFormat"]
+    )
+    assert re.search(r'branch=~"affinity\|prefix_match\|cache_room"', share["expr"]), share["expr"]
+    assert "prefix_router_decisions_total" in share["expr"]
 
 
 def test_hit_rate_sits_beside_the_decisions(dashboard: dict[str, Any]) -> None:

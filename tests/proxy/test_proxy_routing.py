@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections import Counter
 from typing import Any
 
 import httpx
 import pytest
 
-from routerkit import router_settings
+from prefix_router.settings import load_settings
+
+from routerkit import eventually, router_settings
 
 CHAT = "/v1/chat/completions"
 
@@ -46,12 +49,18 @@ async def test_backend_header_names_the_backend_that_answered(fake_backends, rou
     assert resp.json()["backend"] == by_url[resp.headers["x-prefix-router-backend"]].name
 
 
-async def test_backend_header_can_be_turned_off(fake_backends, router, client) -> None:
+async def test_backend_header_is_off_by_default(fake_backends, router, client) -> None:
+    """The header names an internal address; clients see it only where an operator turned it on."""
     backends = await fake_backends(1)
-    r = await router(router_settings(backends, server={"backend_header": False}))
-    resp = await client.post(f"{r.url}{CHAT}", json=chat("s"))
-    assert resp.status_code == 200
-    assert "x-prefix-router-backend" not in resp.headers
+    settings = load_settings(None, {"backends": [{"url": backends[0].url}]}, environ=False)
+    assert settings.server.backend_header is False
+    for r in (
+        await router(settings),
+        await router(router_settings(backends, server={"backend_header": False})),
+    ):
+        resp = await client.post(f"{r.url}{CHAT}", json=chat("s"))
+        assert resp.status_code == 200
+        assert "x-prefix-router-backend" not in resp.headers
 
 
 async def test_native_routing_is_canonical(fake_backends, router, client) -> None:
@@ -151,6 +160,7 @@ async def test_local_routes(fake_backends, router, client) -> None:
     backends = await fake_backends(2)
     r = await router(router_settings(backends))
     assert (await client.get(f"{r.url}/healthz")).json() == {"status": "ok"}
+    await eventually(r.app.backends.is_ready)  # the first probes answered
     assert (await client.get(f"{r.url}/readyz")).status_code == 200
     await client.post(f"{r.url}{CHAT}", json=chat("s"))
     text = (await client.get(f"{r.url}/metrics")).text
@@ -233,7 +243,12 @@ async def test_http_client_sees_no_difference_but_the_header(fake_backends, rout
     assert isinstance(via, httpx.Response)
 
 
-async def test_access_log_is_one_line_per_request_without_tenants_or_bodies(
+def access_lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
+    """The access log's records, each parsed as the one JSON object it must be."""
+    return [json.loads(rec.getMessage()) for rec in caplog.records if rec.name == "prefix_router.access"]
+
+
+async def test_access_log_is_one_json_object_per_request_without_tenants_or_bodies(
     fake_backends, router, client, caplog: pytest.LogCaptureFixture
 ) -> None:
     backends = await fake_backends(2)
@@ -241,26 +256,59 @@ async def test_access_log_is_one_line_per_request_without_tenants_or_bodies(
     caplog.set_level(logging.INFO, logger="prefix_router.access")
     secret_prompt = "the prompt of a user"
     resp = await client.post(
-        f"{r.url}/v1/chat/completions?trace=1",
+        f"{r.url}/v1/chat/completions?trace=secret-query",
         json=chat(secret_prompt),
         headers={"x-prefix-cache-key": "tenant-secret"},
     )
     assert resp.status_code == 200
     refused = await client.request("TRACE", f"{r.url}/v1/chat/completions")
     assert refused.status_code == 405
-    await client.get(f"{r.url}/healthz")
-    too_big = await client.post(f"{r.url}/v1/chat/completions", content=b"x" * 5000)
+    for probe in ("/healthz", "/readyz", "/metrics"):
+        await client.get(f"{r.url}{probe}")  # probes and scrapes are left out by default
+    too_big = await client.post(f"{r.url}/v1/chat/completions?q=1", content=b"x" * 5000)
     assert too_big.status_code == 413  # refused by the listener before the body is read
-    lines = [rec.getMessage() for rec in caplog.records if rec.name == "prefix_router.access"]
-    assert len(lines) == 4, lines
+    lines = access_lines(caplog)
+    assert len(lines) == 3, lines
     chosen = resp.headers["x-prefix-router-backend"]
-    assert '"POST /v1/chat/completions?trace=1 HTTP/1.1" 200' in lines[0]
-    assert f"backend={chosen} branch=cache_room ms=" in lines[0]
-    assert '"TRACE /v1/chat/completions HTTP/1.1" 405 backend=- branch=-' in lines[1]
-    assert '"GET /healthz HTTP/1.1" 200 backend=- branch=-' in lines[2]
-    assert '"- /v1/chat/completions -" 413' in lines[3]
-    for line in lines:
-        assert "tenant-secret" not in line and secret_prompt not in line
+    keys = {"time", "client", "method", "path", "status", "duration_s", "backend", "branch", "bytes"}
+    assert all(set(line) == keys for line in lines), lines
+    first, second, third = lines
+    assert first["method"] == "POST" and first["path"] == "/v1/chat/completions"
+    assert (first["status"], first["backend"], first["branch"]) == (200, chosen, "cache_room")
+    assert first["bytes"] == len(resp.content) and first["client"] == "127.0.0.1"
+    assert 0 <= first["duration_s"] < 60
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", first["time"]), first["time"]
+    assert (second["method"], second["status"], second["backend"], second["branch"]) == (
+        "TRACE",
+        405,
+        None,
+        None,
+    )
+    assert second["bytes"] == len(refused.content)
+    assert (third["method"], third["path"], third["status"], third["bytes"]) == (
+        None,
+        "/v1/chat/completions",
+        413,
+        None,
+    )
+    for line in caplog.records:
+        text = line.getMessage()
+        assert "tenant-secret" not in text and secret_prompt not in text and "secret-query" not in text
+
+
+async def test_access_log_can_include_probes_and_scrapes(
+    fake_backends, router, client, caplog: pytest.LogCaptureFixture
+) -> None:
+    backends = await fake_backends(1)
+    r = await router(router_settings(backends, server={"access_log": True, "access_log_probes": True}))
+    caplog.set_level(logging.INFO, logger="prefix_router.access")
+    for probe in ("/healthz", "/readyz", "/metrics"):
+        await client.get(f"{r.url}{probe}")
+    assert [(line["path"], line["backend"]) for line in access_lines(caplog)] == [
+        ("/healthz", None),
+        ("/readyz", None),
+        ("/metrics", None),
+    ]
 
 
 async def test_access_log_is_off_by_default(fake_backends, router, client, caplog) -> None:

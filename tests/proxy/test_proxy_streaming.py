@@ -110,4 +110,6 @@ async def test_second_stream_for_a_prefix_in_prefill_waits_for_its_first_byte(fa
     home = next(b for b in backends if b.url == home1)
     assert home.seen[1].at - home.first_chunk_at[0] >= 0, "sent after the first one's first byte"
     async with aiohttp.ClientSession() as s, s.get(f"{r.url}/metrics") as m:
-        assert 'prefix_router_prefill_waits_total{outcome="ready"} 1.0' in await m.text()
+        text = await m.text()
+    assert 'prefix_router_prefill_waits_total{outcome="ready"} 1.0' in text
+    assert 'prefix_router_wait_seconds_count{reason="prefill"} 1.0' in text  # the hold, timed

@@ -45,6 +45,7 @@ def fleet(n: int, salt: str = "") -> tuple[HashRing, Candidates]:
 def place(picker: Picker, key: RoutingKey, ring: HashRing, cands: Candidates) -> str:
     decision = picker.pick(key, ring, cands, LoadTracker())
     assert decision is not None
+    picker.chosen(key, decision.backend_id)
     picker.placed(key, decision.backend_id)
     return decision.backend_id
 
@@ -145,6 +146,22 @@ def test_cache_room_chooses_among_the_first_backends_of_the_walk_only() -> None:
     assert decision.branch is Branch.CACHE_ROOM
 
 
+def test_a_burst_of_new_prefixes_spreads_as_it_arrives() -> None:
+    """Chosen, not answered: sixteen new prefixes picked before any answer still land four apiece."""
+    ring, cands = fleet(4)
+    picker = Picker(BalanceConfig())
+    load = LoadTracker()
+    homes = []
+    for g in range(16):
+        key = chat(("system", text(500 + g, 3000)), ("user", "q"))
+        decision = picker.pick(key, ring, cands, load)
+        assert decision is not None
+        load.acquire(decision.backend_id)  # in flight: no answer yet, nothing placed
+        picker.chosen(key, decision.backend_id)
+        homes.append(decision.backend_id)
+    assert sorted(Counter(homes).values()) == [4, 4, 4, 4]
+
+
 def test_cache_room_respects_the_load_bound() -> None:
     ring, cands = fleet(4)
     picker = Picker(BalanceConfig(max_inflight=2))
@@ -178,6 +195,7 @@ def test_an_owner_whose_cache_turned_over_is_no_longer_followed() -> None:
     assert ledgers is not None
     for g in range(2, 8):  # more new prompts on the owner than its cache holds
         other = chat(("system", text(g, 4000)), ("user", "q"))
+        picker.chosen(other, owner)
         picker.placed(other, owner)
     assert picker.index.longest_match(first_key.blocks) == (0, ())
     assert ledgers.ledger(owner).used_bytes <= 3 * first_key.size

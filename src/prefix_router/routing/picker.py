@@ -239,13 +239,20 @@ class Picker:
                 break
         return best
 
+    def chosen(self, key: RoutingKey, backend_id: str) -> None:
+        """A request is being sent to the backend: its cache will hold these blocks.
+
+        Counted when the choice is final, not when the answer comes: a burst of new prefixes then
+        spreads as it arrives, and a backend that fails every request fills its ledger like any other
+        instead of always looking the roomiest."""
+        if self._ledgers is not None and key.blocks:
+            blocks = key.blocks
+            self._ledgers.record(backend_id, blocks, block_sizes(key.ends)[: len(blocks)])
+
     def placed(self, key: RoutingKey, backend_id: str) -> None:
-        """Learn from a placement that reached the backend."""
+        """Learn from a placement that reached the backend (its answer began well)."""
         if self._index is not None and key.blocks:
             self._index.record(key.blocks, backend_id)
-            if self._ledgers is not None:
-                blocks = key.blocks
-                self._ledgers.record(backend_id, blocks, block_sizes(key.ends)[: len(blocks)])
 
     def prefill_started(self, key: RoutingKey, backend_id: str) -> int | None:
         """A streaming request is being sent: its new blocks are pending until prefill_done."""
