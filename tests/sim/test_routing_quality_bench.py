@@ -206,3 +206,16 @@ async def test_a_layouts_routers_start_together_and_a_refusal_is_kept_for_its_ru
                 for g in early.values():
                     if isinstance(g, rq.RouterGroup):
                         g.stop()
+
+
+def test_a_workload_sglang_cannot_be_compared_on_is_not_judged_against_it(rq: ModuleType) -> None:
+    Run = rq.Run
+    runs = [
+        Run("tenants", "prefix", "1", 0, "closed", _summary(0.2, 0.2, 1.0, 1.0), 0.2),
+        Run("tenants", "sglang_cache_aware", "1", 0, "closed", _summary(0.9, 0.2, 1.0, 1.0), 0.2),
+    ]
+    rows = rq.aggregate(runs)
+    assert any("vs SGLang" in t for t in rq.check_targets(rows))
+    assert not any("vs SGLang" in t for t in rq.check_targets(rows, ["tenants"]))
+    tenants = next(s for s in rq.build_workloads(quick=True) if s.name == "tenants")
+    assert "cache_salt" in tenants.sglang_caveat
