@@ -71,7 +71,13 @@ from prefix_router import __version__
 from prefix_router.sim.config import SimConfig
 from prefix_router.sim.fleet import SimFleet
 from prefix_router.sim.loadgen import RunSummary, Target, balanced_placement, client_session, measure
-from prefix_router.sim.traces import guess_block_tokens, guess_time_unit_s, read_trace, trace_workload
+from prefix_router.sim.traces import (
+    TraceError,
+    guess_block_tokens,
+    guess_time_unit_s,
+    read_trace,
+    trace_workload,
+)
 from prefix_router.sim.workloads import (
     DEFAULT_MODEL,
     Workload,
@@ -232,7 +238,10 @@ def build_workloads(quick: bool, prompt_scale: float = 1.0, model: str = DEFAULT
 def trace_spec(args: argparse.Namespace) -> WorkloadSpec:
     path = Path(args.trace)
     limit = args.trace_limit or (500 if args.quick else 1500)
-    records = read_trace(path, limit=limit)
+    try:
+        records = read_trace(path, limit=limit)
+    except (OSError, TraceError) as exc:
+        raise SystemExit(f"--trace {path}: {exc}") from exc
     if not records:
         raise SystemExit(f"{path}: no requests")
     block_tokens = args.trace_block_tokens or guess_block_tokens(path)
@@ -915,7 +924,10 @@ def check_targets(rows: list[Row], not_comparable: Iterable[str] = ()) -> list[s
 
 
 def select_policies(args: argparse.Namespace) -> list[PolicySpec]:
-    defined = [parse_policy_definition(d) for d in args.define_policy or ()]
+    try:
+        defined = [parse_policy_definition(d) for d in args.define_policy or ()]
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from exc
     known = {p.name: p for p in (*POLICIES, *EXPERIMENTS, *defined)}
     if args.policies:
         if unknown := sorted(set(args.policies) - set(known)):
