@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
-import socket
-import sys
+import asyncio
 from collections.abc import AsyncIterator
-from pathlib import Path
-from types import ModuleType
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, generate_latest
@@ -26,9 +22,13 @@ from prefix_router.sim.loadgen import (
     parse_router_counters,
     quantile,
     reset_sim,
+    run_closed_loop,
     run_open_loop,
+    run_timed_loop,
+    snapshot,
     summarise,
 )
+from prefix_router.sim.traces import parse_record, trace_workload
 from prefix_router.sim.workloads import multi_turn, shared_prefix
 
 FAST = SimConfig(overhead_ms=1.0, prefill_ms_per_token=0.001, itl_ms=0.2)
@@ -85,6 +85,54 @@ async def test_open_loop_is_bounded_in_count_and_time(fleet: SimFleet) -> None:
         by_time = await run_open_loop(session, fleet.urls[0], workload, rate_per_s=20, max_duration_s=0.3)
     assert len(by_count) == 5 and all(r.ok for r in by_count)
     assert 0 <= len(by_time) < 20
+
+
+async def test_several_routers_take_requests_round_robin_by_index() -> None:
+    # Three backends stand in for three routers: request i must reach URL i mod 3.
+    workload = shared_prefix(groups=1, prompts_per_group=9, system_tokens=16, question_tokens=4, max_tokens=1)
+    async with SimFleet(FAST, count=3) as three, client_session() as session:
+        urls = three.urls
+        await reset_sim(session, urls)
+        results = await run_closed_loop(session, urls, workload, concurrency=1)
+        counts = await snapshot(session, urls)
+        # One at a time, in order: each backend's first request is the one that missed.
+        firsts = [r.index for r in results if not r.cached_tokens]
+    assert [counts[u].requests for u in urls] == [3, 3, 3]
+    assert firsts == [0, 1, 2]
+
+
+async def test_measure_over_router_urls_sums_their_counters(fleet: SimFleet) -> None:
+    workload = shared_prefix(groups=2, prompts_per_group=2, system_tokens=16, question_tokens=4, max_tokens=1)
+    async with client_session() as session:
+        target = Target("", tuple(fleet.urls), router_urls=tuple(fleet.urls))
+        summary, results = await measure(session, target, workload, concurrency=2)
+    assert summary.errors == 0 and len(results) == 4
+    assert summary.backend_share == {fleet.urls[0]: 0.5, fleet.urls[1]: 0.5}
+    assert summary.overflow_share is None  # sim backends have no router decisions to sum
+
+
+async def test_timed_loop_sends_at_the_trace_times_and_after_the_parent_turn(fleet: SimFleet) -> None:
+    rows = [
+        {"timestamp": 0.0, "chat_id": 1, "parent_chat_id": -1},
+        {"timestamp": 0.3, "chat_id": 2, "parent_chat_id": -1},
+        {"timestamp": 0.05, "chat_id": 3, "parent_chat_id": 1},  # due before its parent could end
+        {"timestamp": 5.0, "chat_id": 4, "parent_chat_id": -1},  # past max_duration_s: never sent
+    ]
+    records = [
+        parse_record({**row, "input_length": 64, "output_length": 30, "hash_ids": [7] if row["chat_id"] != 2
+                      else [8]})
+        for row in rows
+    ]  # fmt: skip
+    workload = trace_workload(records, block_tokens=64, time_unit_s=1.0)
+    loop = asyncio.get_running_loop()
+    async with client_session() as session:
+        start = loop.time()
+        results = await run_timed_loop(session, fleet.urls[0], workload, max_duration_s=1.0)
+        elapsed = loop.time() - start
+    assert [r.index for r in results] == [0, 1, 2] and all(r.ok for r in results)
+    assert elapsed >= 0.3  # the second request waited for its time
+    # The child turn went after its parent ended, so the parent's prompt was cached (same block).
+    assert (results[2].cached_tokens or 0) > 0
 
 
 def test_quantile_is_nearest_rank() -> None:
@@ -194,57 +242,3 @@ def test_router_counters_read_decisions_and_prefill_holds_and_the_summary_diffs_
         prefill_waits_before={"ready": 1.0, "timeout": 1.0}, prefill_waits_after=counters.prefill_waits,
     )  # fmt: skip
     assert s.prefill_waits == {"ready": 2.0}  # no new timeout: left out, as branches are
-
-
-def _routing_quality() -> ModuleType:
-    path = Path(__file__).parents[2] / "benchmarks" / "routing_quality.py"
-    spec = importlib.util.spec_from_file_location("routing_quality_under_test", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module's annotations through it
-    spec.loader.exec_module(module)
-    return module
-
-
-def _free_run(count: int) -> int:
-    """A base port with `count` free ports from it (best effort: free when probed)."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = int(probe.getsockname()[1])
-        if base + count > 65535:
-            continue
-        try:
-            for port in range(base, base + count):
-                with socket.socket() as sock:
-                    sock.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
-    pytest.skip("no run of free ports")
-
-
-async def test_benchmark_fleet_takes_fixed_ports_and_falls_back_to_ephemeral_when_busy(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    rq = _routing_quality()
-    base = _free_run(2)
-    fixed = [f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"]
-    async with rq.sim_fleet(FAST, 2, base) as fleet:
-        assert fleet.urls == fixed
-        # The same ports again while they are taken: ephemeral ones, with a warning.
-        async with rq.sim_fleet(FAST, 2, base) as other:
-            ports = [int(u.rsplit(":", 1)[1]) for u in other.urls]
-            assert not set(ports) & {base, base + 1}
-        assert "WARNING" in capsys.readouterr().out
-    # Released: the next fleet (the next workload) gets the same layout back.
-    async with rq.sim_fleet(FAST, 2, base) as again:
-        assert again.urls == fixed
-
-
-def test_benchmark_default_prefix_row_holds_and_nohold_turns_it_off() -> None:
-    rq = _routing_quality()
-    by_name = {p.name: p for p in rq.POLICIES}
-    assert "prefill_wait_s" not in by_name["prefix"].settings.get("routing", {})  # the router default
-    assert by_name["prefix_nohold"].settings["routing"]["prefill_wait_s"] == 0
-    assert set(rq.HOLD_OFF) == {"prefix_nohold"}

@@ -10,13 +10,18 @@ from prefix_router.sim.workloads import (
     TENANT_HEADER,
     WORKLOADS,
     Workload,
+    distinct_blocks,
+    families,
     hot_prefix,
+    largest_prompt_blocks,
     long_context,
+    median_prompt_blocks,
     multi_turn,
     oracle_from_blocks,
     oracle_hit_rate,
     prompt_blocks,
     shared_prefix,
+    shared_system,
     tenants,
 )
 
@@ -146,3 +151,68 @@ def test_oracle_of_a_shared_prefix_workload() -> None:
     # Each group's first request misses; the other 3 hit the system prompt's full blocks at least.
     assert result.hit_tokens >= 2 * 3 * 64
     assert 0.5 < result.hit_rate < 1.0
+
+
+def _assert_turns_extend(w: Workload) -> None:
+    for i, r in enumerate(w.requests):
+        if r.after is None:
+            assert len(r.body["messages"]) == 2  # system + first user message
+            continue
+        prev = w.requests[r.after]
+        assert r.after < i and prev.group == r.group
+        assert r.body["messages"][: len(prev.body["messages"])] == prev.body["messages"]
+
+
+def test_families_share_one_system_prompt_per_family() -> None:
+    w = families(conversations=24, family_count=3, system_tokens=1500)
+    _assert_turns_extend(w)
+    by_family: dict[str, set[str]] = {}
+    chats: dict[str, set[str]] = {}
+    for r in w.requests:
+        family, chat = r.group.split("/")
+        by_family.setdefault(family, set()).add(r.body["messages"][0]["content"])
+        chats.setdefault(family, set()).add(chat)
+    assert sorted(by_family) == ["f0", "f1", "f2"]
+    assert all(len(systems) == 1 for systems in by_family.values())  # one system prompt per family
+    assert len({next(iter(v)) for v in by_family.values()}) == 3  # and a different one per family
+    assert all(len(next(iter(v))) == 1500 * 4 for v in by_family.values())
+    assert {f: len(c) for f, c in chats.items()} == {"f0": 8, "f1": 8, "f2": 8}
+    # First turns of one family differ after the system prompt: the chats are distinct.
+    firsts = {
+        r.body["messages"][1]["content"] for r in w.requests if r.after is None and r.group.startswith("f0/")
+    }
+    assert len(firsts) == 8
+
+
+def test_shared_system_puts_one_prompt_before_every_conversation() -> None:
+    w = shared_system(conversations=10, system_tokens=512)
+    _assert_turns_extend(w)
+    assert {r.body["messages"][0]["content"] for r in w.requests} == {
+        w.requests[0].body["messages"][0]["content"]
+    }
+    assert len(w.requests[0].body["messages"][0]["content"]) == 512 * 4
+    assert len({r.group for r in w.requests}) == 10
+    # Shorter than the router's 4096-character key: the key also covers the conversation's start.
+    assert len(w.requests[0].body["messages"][0]["content"]) < 4096
+
+
+def test_the_oracle_sees_what_families_and_a_shared_system_prompt_share() -> None:
+    shared = shared_system(conversations=12, system_tokens=512, min_turns=1, max_turns=1)
+    # One turn each: only the system prompt is shared; every conversation but the first hits its
+    # full blocks (the first 2 tokens are "<|system|>"'s last bytes: (3 + 512) // 16 blocks).
+    result = oracle_hit_rate(shared, block_size=16, capacity_blocks=None)
+    assert result.hit_tokens == 11 * ((10 + 512 * 4) // 64) * 16
+    fam = families(conversations=6, family_count=2, system_tokens=256, min_turns=1, max_turns=1)
+    assert (
+        oracle_hit_rate(fam, block_size=16, capacity_blocks=None).hit_tokens
+        == 4 * ((10 + 256 * 4) // 64) * 16
+    )
+
+
+def test_working_set_and_prompt_sizes_in_blocks() -> None:
+    w = shared_prefix(groups=2, prompts_per_group=3, system_tokens=64, question_tokens=16)
+    counts = [prompt_blocks(r.body, 16)[0] for r in w.requests]
+    assert largest_prompt_blocks(w, block_size=16) == -(-max(counts) // 16)
+    assert median_prompt_blocks(w, block_size=16) == sorted(-(-c // 16) for c in counts)[3]
+    hashes = [h for r in w.requests for h in prompt_blocks(r.body, 16)[1]]
+    assert distinct_blocks(w, block_size=16) == len(set(hashes)) < len(hashes)

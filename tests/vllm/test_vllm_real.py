@@ -158,6 +158,21 @@ async def test_metric_labels_match(http: httpx.AsyncClient, real: str, sim_url: 
         assert sim_labels.get(name) == real_labels.get(name), name
 
 
+async def test_cache_config_info_names_the_kv_capacity_in_both(
+    http: httpx.AsyncClient, real: str, sim_url: str
+) -> None:
+    # The labels differ between vLLM versions; the two a router reads are in every one since v0.6.
+    for url in (real, sim_url):
+        text = (await http.get(url + "/metrics")).text
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        info = families["vllm:cache_config_info"]
+        assert info.type == "gauge", url
+        [sample] = info.samples
+        assert sample.value == 1.0, url
+        assert int(sample.labels["num_gpu_blocks"]) > 0, url
+        assert int(sample.labels["block_size"]) > 0, url
+
+
 async def test_counter_samples_carry_total_suffix(http: httpx.AsyncClient, real: str, sim_url: str) -> None:
     for url in (real, sim_url):
         text = (await http.get(url + "/metrics")).text

@@ -1,9 +1,12 @@
 """A load driver for the demo and the benchmark: send a Workload to an OpenAI endpoint, measure it.
 
-Two arrival models: closed loop (C workers, each sending its next request when the last one ends)
-and open loop (Poisson arrivals at rate λ, bounded in count and time, so an overloaded fleet shows
-queueing instead of slowing the driver down). Every request streams (`stream: true`,
-`stream_options.include_usage`), so TTFT is the time to the first content chunk as a client sees it.
+Three arrival models: closed loop (C workers, each sending its next request when the last one
+ends), open loop (Poisson arrivals at rate λ, bounded in count and time, so an overloaded fleet shows
+queueing instead of slowing the driver down) and timed (a replayed trace: each request at its own
+`at_s`). Given several router URLs (replicas behind a load balancer), request i goes to router
+i mod n: round robin over the workload's order, which is the arrival order when no turn waits.
+Every request streams (`stream: true`, `stream_options.include_usage`), so TTFT is the time to the
+first content chunk as a client sees it.
 
 The hit rate is never taken from the client's side: it is the backends' own prefix-cache counters,
 diffed over the run (`/sim/stats` of the sim, or vLLM's `vllm:prefix_cache_{hits,queries}_total` on
@@ -130,6 +133,16 @@ async def _read_stream(resp: aiohttp.ClientResponse, result: RequestResult, star
         result.error = "stream ended without [DONE]"
 
 
+BaseUrls = str | Sequence[str]
+
+
+def _router_for(base_url: BaseUrls, index: int) -> str:
+    """Round robin over several routers by request index; one router is just that one."""
+    if isinstance(base_url, str):
+        return base_url
+    return base_url[index % len(base_url)]
+
+
 class _Dependencies:
     """Completion events per request index, so a chat's next turn waits for the previous one."""
 
@@ -146,7 +159,7 @@ class _Dependencies:
 
 async def run_closed_loop(
     session: aiohttp.ClientSession,
-    base_url: str,
+    base_url: BaseUrls,
     workload: Workload,
     *,
     concurrency: int,
@@ -164,7 +177,7 @@ async def run_closed_loop(
         for index in cursor:
             request = requests[index]
             await deps.wait_for(request)
-            result = await send_one(session, base_url, index, request, timeout_s, routes)
+            result = await send_one(session, _router_for(base_url, index), index, request, timeout_s, routes)
             results[index] = result
             deps.finished(index)
             if progress is not None:
@@ -176,7 +189,7 @@ async def run_closed_loop(
 
 async def run_open_loop(
     session: aiohttp.ClientSession,
-    base_url: str,
+    base_url: BaseUrls,
     workload: Workload,
     *,
     rate_per_s: float,
@@ -202,7 +215,7 @@ async def run_open_loop(
 
     async def fire(index: int, request: WorkloadRequest) -> None:
         await deps.wait_for(request)
-        result = await send_one(session, base_url, index, request, timeout_s, routes)
+        result = await send_one(session, _router_for(base_url, index), index, request, timeout_s, routes)
         results.append(result)
         deps.finished(index)
         if progress is not None:
@@ -219,6 +232,48 @@ async def run_open_loop(
     if tasks:
         await asyncio.gather(*tasks)
     # A request whose predecessor was never sent (the time bound cut it) is never sent either.
+    return sorted(results, key=lambda r: r.index)
+
+
+async def run_timed_loop(
+    session: aiohttp.ClientSession,
+    base_url: BaseUrls,
+    workload: Workload,
+    *,
+    max_duration_s: float | None = None,
+    progress: Progress | None = None,
+    timeout_s: float = 300.0,
+    routes: Mapping[str, str] | None = None,
+) -> list[RequestResult]:
+    """Each request at its own `at_s` after the start (a replayed trace), or once the request it
+    follows (`after`) has ended, whichever is later; arrivals stop past `max_duration_s`. Waits for
+    all sent to end. A request without `at_s` goes at once."""
+    requests = workload.requests
+    deps = _Dependencies(len(requests))
+    results: list[RequestResult] = []
+    tasks: list[asyncio.Task[None]] = []
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+
+    async def fire(index: int, request: WorkloadRequest) -> None:
+        await deps.wait_for(request)
+        result = await send_one(session, _router_for(base_url, index), index, request, timeout_s, routes)
+        results.append(result)
+        deps.finished(index)
+        if progress is not None:
+            progress.note(result)
+
+    order = sorted(range(len(requests)), key=lambda i: (requests[i].at_s or 0.0, i))
+    for index in order:
+        at_s = requests[index].at_s or 0.0
+        if max_duration_s is not None and at_s > max_duration_s:
+            break
+        delay = start + at_s - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(loop.create_task(fire(index, requests[index])))
+    if tasks:
+        await asyncio.gather(*tasks)
     return sorted(results, key=lambda r: r.index)
 
 
@@ -474,6 +529,8 @@ class Target:
 
     base_url: str  # the router (or any OpenAI endpoint)
     backend_urls: tuple[str, ...]
+    # Several routers behind round robin (replicas); when set, requests go to these, not base_url.
+    router_urls: tuple[str, ...] = ()
     sim: bool = True  # /sim/stats and /sim/reset; False: vLLM's /metrics
     reset_path: str | None = None  # not the sim: POST this on every backend before a run, when set
     routes: Mapping[str, str] | None = None  # group -> backend URL, bypassing base_url (a fixed placement)
@@ -486,45 +543,62 @@ async def measure(
     *,
     concurrency: int | None = None,
     rate_per_s: float | None = None,
+    timed: bool = False,
     max_duration_s: float | None = None,
     oracle_hit_rate: float | None = None,
     progress: Progress | None = None,
     reset: bool = True,
 ) -> tuple[RunSummary, list[RequestResult]]:
     """One run: reset (the sim, or `target.reset_path`), snapshot, drive (closed loop if
-    `concurrency`, else open loop), diff."""
+    `concurrency`, open loop if `rate_per_s`, each request at its `at_s` if `timed`), diff. With
+    `target.router_urls`, requests go round robin over them and their counters are summed."""
     if target.sim and reset:
         await reset_sim(session, target.backend_urls)
     elif target.reset_path and reset:
         await reset_backends(session, target.backend_urls, target.reset_path)
+    routers: BaseUrls = target.router_urls or target.base_url
+    router_list = list(target.router_urls) or [target.base_url]
     before = await snapshot(session, target.backend_urls, sim=target.sim)
-    router_before = await fetch_router_counters(session, target.base_url)
+    router_before = await fetch_routers_counters(session, router_list)
     start = time.monotonic()
     if concurrency is not None:
         results = await run_closed_loop(
-            session,
-            target.base_url,
-            workload,
-            concurrency=concurrency,
-            progress=progress,
-            routes=target.routes,
+            session, routers, workload, concurrency=concurrency, progress=progress, routes=target.routes
         )
     elif rate_per_s is not None:
         results = await run_open_loop(
-            session, target.base_url, workload, rate_per_s=rate_per_s,
+            session, routers, workload, rate_per_s=rate_per_s,
             max_duration_s=max_duration_s, progress=progress, routes=target.routes,
         )  # fmt: skip
+    elif timed:
+        results = await run_timed_loop(
+            session, routers, workload, max_duration_s=max_duration_s, progress=progress,
+            routes=target.routes,
+        )  # fmt: skip
     else:
-        raise ValueError("give concurrency (closed loop) or rate_per_s (open loop)")
+        raise ValueError("give concurrency (closed loop), rate_per_s (open loop) or timed (trace times)")
     wall_s = time.monotonic() - start
     after = await snapshot(session, target.backend_urls, sim=target.sim)
-    router_after = await fetch_router_counters(session, target.base_url)
+    router_after = await fetch_routers_counters(session, router_list)
     summary = summarise(
         results, before, after, wall_s=wall_s, oracle_hit_rate=oracle_hit_rate,
         decisions_before=router_before.decisions, decisions_after=router_after.decisions,
         prefill_waits_before=router_before.prefill_waits, prefill_waits_after=router_after.prefill_waits,
     )  # fmt: skip
     return summary, results
+
+
+async def fetch_routers_counters(
+    session: aiohttp.ClientSession, router_urls: Sequence[str]
+) -> RouterCounters:
+    """The counters of several routers (replicas), summed per label value."""
+    total = RouterCounters()
+    for counters in await asyncio.gather(*(fetch_router_counters(session, u) for u in router_urls)):
+        pairs = ((total.decisions, counters.decisions), (total.prefill_waits, counters.prefill_waits))
+        for mine, theirs in pairs:
+            for key, value in theirs.items():
+                mine[key] = mine.get(key, 0.0) + value
+    return total
 
 
 def client_session(limit: int = 512) -> aiohttp.ClientSession:

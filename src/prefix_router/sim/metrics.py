@@ -4,6 +4,11 @@ Names follow vLLM v1 (https://docs.vllm.ai/en/latest/design/metrics.html): label
 `engine` ("0", one engine per server), `finished_reason` on request_success. The collector reads the
 backend's counters at scrape time, so requests pay nothing for metrics, and it lives on a
 per-backend CollectorRegistry because a fleet shares one process.
+
+`vllm:cache_config_info` is vLLM's info gauge (value 1) whose labels are the engine's CacheConfig
+fields as strings (`CacheConfig.metrics_info()` plus `engine`, no `model_name`): a router reads the
+KV capacity of a backend from `num_gpu_blocks` x `block_size` tokens. The sim fills the fields it
+models from its config and the rest with the values a default vLLM start-up shows.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from prefix_router.sim.config import SimConfig
 from prefix_router.sim.stats import BackendCounters
 
 _LABELS = ["model_name", "engine"]
@@ -41,6 +47,28 @@ class LiveBackendState(Protocol):
     @property
     def counters(self) -> BackendCounters: ...
 
+    @property
+    def config(self) -> SimConfig: ...
+
+
+def cache_config_labels(config: SimConfig) -> dict[str, str]:
+    """The labels of `vllm:cache_config_info` for a backend with this config, as vLLM prints them."""
+    return {
+        "block_size": str(config.block_size),
+        "cache_dtype": "auto",
+        "calculate_kv_scales": "False",
+        "cpu_offload_gb": "0",
+        "enable_prefix_caching": "True",
+        "engine": _ENGINE,
+        "gpu_memory_utilization": "0.9",
+        "is_attention_free": "False",
+        "num_cpu_blocks": "None",
+        "num_gpu_blocks": str(config.capacity_blocks),
+        "num_gpu_blocks_override": "None",
+        "sliding_window": "None",
+        "swap_space_bytes": str(4 * 1024**3),
+    }
+
 
 class SimMetricsCollector(Collector):
     def __init__(self, model_name: str, state: LiveBackendState) -> None:
@@ -52,6 +80,12 @@ class SimMetricsCollector(Collector):
         counters = state.counters
         labels = self._label_values
 
+        info = cache_config_labels(state.config)
+        cache_config = GaugeMetricFamily(
+            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(info)
+        )
+        cache_config.add_metric(list(info.values()), 1.0)
+        yield cache_config
         yield self._gauge(
             "vllm:num_requests_running", "Number of requests in model execution batches.", state.num_running
         )

@@ -19,6 +19,7 @@ simplifications, stated so a benchmark can say what it compared against:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import random
 from collections import OrderedDict
@@ -40,6 +41,7 @@ class WorkloadRequest:
     group: str  # requests of one group share a prompt prefix (a system prompt, a document, a chat)
     tenant: str | None = None  # sent as the x-prefix-cache-key header when set
     after: int | None = None  # index of a request that must finish first (the previous chat turn)
+    at_s: float | None = None  # a replayed trace's arrival time, seconds from the start of the run
 
     def headers(self) -> dict[str, str]:
         return {} if self.tenant is None else {TENANT_HEADER: self.tenant}
@@ -64,11 +66,14 @@ _SYLLABLES = (
 )  # fmt: skip
 
 
-def _vocabulary(rng: random.Random, size: int = 1500) -> list[str]:
+@functools.cache
+def vocabulary(size: int = 1500) -> tuple[str, ...]:
+    """The one vocabulary of every workload's text: `size` pseudo-words of 1-4 syllables."""
+    rng = random.Random(0x70726566)
     words: set[str] = set()
     while len(words) < size:
         words.add("".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 4))))
-    return sorted(words)
+    return tuple(sorted(words))
 
 
 class TextSource:
@@ -76,7 +81,7 @@ class TextSource:
 
     def __init__(self, seed: int) -> None:
         self._rng = random.Random(seed)
-        self._words = _vocabulary(random.Random(0x70726566))  # one vocabulary for every workload
+        self._words = vocabulary()
 
     @property
     def rng(self) -> random.Random:
@@ -197,23 +202,54 @@ def multi_turn(
     shared. Turns of different conversations are interleaved at random, keeping each chat's order;
     `after` names the previous turn, which must finish before the next is sent."""
     src = TextSource(seed)
+    shape = _ChatShape(min_turns, max_turns, user_median_tokens, reply_median_tokens, max_turn_tokens)
+    chats = [
+        _chat_turns(src, src.text(system_tokens, lead=f"Chat {c}. You are helpful."), f"c{c}", shape)
+        for c in range(conversations)
+    ]
+    return Workload(
+        "multi_turn",
+        f"{conversations} conversations of {min_turns}-{max_turns} turns, ShareGPT-like lengths, interleaved",
+        _interleave(src.rng, chats, max_tokens, model),
+        {"conversations": conversations, "min_turns": min_turns, "max_turns": max_turns,
+         "system_tokens": system_tokens, "user_median_tokens": user_median_tokens,
+         "reply_median_tokens": reply_median_tokens, "max_turn_tokens": max_turn_tokens, "seed": seed},
+    )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class _ChatShape:
+    min_turns: int
+    max_turns: int
+    user_median_tokens: int
+    reply_median_tokens: int
+    max_turn_tokens: int
+
+
+def _chat_turns(
+    src: TextSource, system: str, group: str, shape: _ChatShape
+) -> list[tuple[list[dict[str, str]], str]]:
+    """One conversation's turns (its messages before each request) after `system`."""
     rng = src.rng
-    chats: list[list[tuple[list[dict[str, str]], str]]] = []
-    for c in range(conversations):
-        history: list[dict[str, str]] = [
-            {"role": "system", "content": src.text(system_tokens, lead=f"Chat {c}. You are helpful.")}
-        ]
-        turns: list[tuple[list[dict[str, str]], str]] = []
-        for t in range(rng.randint(min_turns, max_turns)):
-            user = src.text(_sharegpt_length(rng, user_median_tokens, 4, max_turn_tokens), lead=f"Turn {t}:")
-            history = [*history, {"role": "user", "content": user}]
-            turns.append((history, f"c{c}"))
-            reply = src.text(_sharegpt_length(rng, reply_median_tokens, 8, max_turn_tokens))
-            history = [*history, {"role": "assistant", "content": reply}]
-        chats.append(turns)
-    # Interleave: repeatedly take the next turn of a random conversation with turns left.
-    cursors = [0] * conversations
-    live = [c for c in range(conversations) if chats[c]]
+    history: list[dict[str, str]] = [{"role": "system", "content": system}]
+    turns: list[tuple[list[dict[str, str]], str]] = []
+    for t in range(rng.randint(shape.min_turns, shape.max_turns)):
+        length = _sharegpt_length(rng, shape.user_median_tokens, 4, shape.max_turn_tokens)
+        user = src.text(length, lead=f"Turn {t}:")
+        history = [*history, {"role": "user", "content": user}]
+        turns.append((history, group))
+        reply = src.text(_sharegpt_length(rng, shape.reply_median_tokens, 8, shape.max_turn_tokens))
+        history = [*history, {"role": "assistant", "content": reply}]
+    return turns
+
+
+def _interleave(
+    rng: random.Random, chats: list[list[tuple[list[dict[str, str]], str]]], max_tokens: int, model: str
+) -> tuple[WorkloadRequest, ...]:
+    """Repeatedly take the next turn of a random conversation with turns left; each turn names its
+    predecessor in `after`."""
+    cursors = [0] * len(chats)
+    live = [c for c in range(len(chats)) if chats[c]]
     last_index: dict[int, int] = {}
     requests: list[WorkloadRequest] = []
     while live:
@@ -225,14 +261,7 @@ def multi_turn(
         cursors[c] += 1
         if cursors[c] == len(chats[c]):
             live.remove(c)
-    return Workload(
-        "multi_turn",
-        f"{conversations} conversations of {min_turns}-{max_turns} turns, ShareGPT-like lengths, interleaved",
-        tuple(requests),
-        {"conversations": conversations, "min_turns": min_turns, "max_turns": max_turns,
-         "system_tokens": system_tokens, "user_median_tokens": user_median_tokens,
-         "reply_median_tokens": reply_median_tokens, "max_turn_tokens": max_turn_tokens, "seed": seed},
-    )  # fmt: skip
+    return tuple(requests)
 
 
 # -- (d) hot prefix ------------------------------------------------------------------------------------
@@ -321,12 +350,89 @@ def tenants(
     )  # fmt: skip
 
 
+# -- (f) families: chats that share a few system prompts ------------------------------------------------
+
+
+def families(
+    *,
+    conversations: int = 24,
+    family_count: int = 3,
+    system_tokens: int = 1500,
+    min_turns: int = 2,
+    max_turns: int = 6,
+    user_median_tokens: int = 120,
+    reply_median_tokens: int = 200,
+    max_turn_tokens: int = 1500,
+    max_tokens: int = 16,
+    seed: int = 5,
+    model: str = DEFAULT_MODEL,
+) -> Workload:
+    """Multi-turn chats in a few families (an assistant product each): every chat of a family starts
+    with the family's one long system prompt, then its own history. Chat c belongs to family
+    c mod `family_count`. A placement that keeps each family on one backend shares the system
+    prompt; one that scatters a family pays for it once per backend, and a backend given more
+    families than its cache holds evicts them. Interleaved as in `multi_turn`."""
+    src = TextSource(seed)
+    systems = [src.text(system_tokens, lead=f"Family {f} assistant.") for f in range(family_count)]
+    shape = _ChatShape(min_turns, max_turns, user_median_tokens, reply_median_tokens, max_turn_tokens)
+    chats = [
+        _chat_turns(src, systems[c % family_count], f"f{c % family_count}/c{c}", shape)
+        for c in range(conversations)
+    ]
+    return Workload(
+        "families",
+        f"{conversations} chats of {min_turns}-{max_turns} turns in {family_count} families, one "
+        f"{system_tokens}-token system prompt per family, interleaved",
+        _interleave(src.rng, chats, max_tokens, model),
+        {"conversations": conversations, "family_count": family_count, "system_tokens": system_tokens,
+         "min_turns": min_turns, "max_turns": max_turns, "user_median_tokens": user_median_tokens,
+         "reply_median_tokens": reply_median_tokens, "max_turn_tokens": max_turn_tokens, "seed": seed},
+    )  # fmt: skip
+
+
+# -- (g) one system prompt shared by all traffic (the Mooncake shape) --------------------------------------
+
+
+def shared_system(
+    *,
+    conversations: int = 32,
+    system_tokens: int = 512,
+    min_turns: int = 2,
+    max_turns: int = 6,
+    user_median_tokens: int = 120,
+    reply_median_tokens: int = 200,
+    max_turn_tokens: int = 1500,
+    max_tokens: int = 16,
+    seed: int = 6,
+    model: str = DEFAULT_MODEL,
+) -> Workload:
+    """Distinct multi-turn conversations behind one system prompt that every request starts with,
+    as in the Mooncake conversation trace (every request's first 512-token block is the same). The
+    shared part is short and common to the whole fleet's traffic: it must not decide where new
+    conversations go. Interleaved as in `multi_turn`."""
+    src = TextSource(seed)
+    system = src.text(system_tokens, lead="Shared platform system prompt.")
+    shape = _ChatShape(min_turns, max_turns, user_median_tokens, reply_median_tokens, max_turn_tokens)
+    chats = [_chat_turns(src, system, f"c{c}", shape) for c in range(conversations)]
+    return Workload(
+        "shared_system",
+        f"{conversations} conversations of {min_turns}-{max_turns} turns behind one {system_tokens}-token "
+        "system prompt shared by every request, interleaved",
+        _interleave(src.rng, chats, max_tokens, model),
+        {"conversations": conversations, "system_tokens": system_tokens, "min_turns": min_turns,
+         "max_turns": max_turns, "user_median_tokens": user_median_tokens,
+         "reply_median_tokens": reply_median_tokens, "max_turn_tokens": max_turn_tokens, "seed": seed},
+    )  # fmt: skip
+
+
 WORKLOADS: dict[str, Callable[..., Workload]] = {
     "shared_prefix": shared_prefix,
     "long_context": long_context,
     "multi_turn": multi_turn,
     "hot_prefix": hot_prefix,
     "tenants": tenants,
+    "families": families,
+    "shared_system": shared_system,
 }
 
 
@@ -413,3 +519,27 @@ def oracle_hit_rate(workload: Workload, *, block_size: int, capacity_blocks: int
     blocks in all (per-backend capacity x backends; None for unbounded)."""
     prompts = [prompt_blocks(r.body, block_size) for r in workload.requests]
     return oracle_from_blocks(prompts, block_size=block_size, capacity_blocks=capacity_blocks)
+
+
+def distinct_blocks(workload: Workload, *, block_size: int) -> int:
+    """The workload's working set: distinct KV blocks over all its prompts (what a cache would need to
+    hold every one of them at once), by the sim's own hashing."""
+    seen: set[int] = set()
+    for r in workload.requests:
+        seen.update(prompt_blocks(r.body, block_size)[1])
+    return len(seen)
+
+
+def _prompt_block_counts(workload: Workload, block_size: int) -> list[int]:
+    return [-(-prompt_blocks(r.body, block_size)[0] // block_size) for r in workload.requests]
+
+
+def largest_prompt_blocks(workload: Workload, *, block_size: int) -> int:
+    """Blocks of the workload's longest prompt (a backend's cache must hold at least that)."""
+    return max(_prompt_block_counts(workload, block_size), default=0)
+
+
+def median_prompt_blocks(workload: Workload, *, block_size: int) -> int:
+    """Blocks of the workload's median prompt (the upper median: a whole number of blocks)."""
+    counts = sorted(_prompt_block_counts(workload, block_size))
+    return counts[len(counts) // 2] if counts else 0

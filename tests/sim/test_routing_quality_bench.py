@@ -1,0 +1,221 @@
+"""The routing-quality benchmark's own logic: policy table, cache sizing, layouts, rows, shared state."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from prefix_router.sim.config import SimConfig
+from prefix_router.sim.fleet import SimFleet
+from prefix_router.sim.loadgen import RunSummary, client_session
+from prefix_router.sim.workloads import distinct_blocks, largest_prompt_blocks, shared_prefix
+
+
+@pytest.fixture(scope="module")
+def rq() -> Iterator[ModuleType]:
+    path = Path(__file__).parents[2] / "benchmarks" / "routing_quality.py"
+    spec = importlib.util.spec_from_file_location("routing_quality_under_test", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module's annotations through it
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
+
+
+def test_the_default_grid_is_ours_the_ring_the_baselines_and_sglang(rq: ModuleType) -> None:
+    by_name = {p.name: p for p in rq.POLICIES}
+    assert list(by_name) == ["prefix", "prefix_ring", "random", "least_loaded", "sglang_cache_aware"]
+    assert by_name["prefix"].settings == {"balancing": {"policy": "prefix"}}  # the router's defaults
+    assert by_name["prefix_ring"].settings["routing"] == {"prefix_index": False}
+    assert {p.name for p in rq.POLICIES if p.replicate} == {"prefix", "sglang_cache_aware"}
+    names = [p.name for p in (*rq.POLICIES, *rq.EXPERIMENTS)]
+    assert len(names) == len(set(names))
+
+
+def test_a_policy_defined_on_the_command_line(rq: ModuleType) -> None:
+    spec = rq.parse_policy_definition(
+        "cache_room:routing.first_placement=cache_room,routing.follow_threshold=0.5"
+    )
+    assert spec.name == "cache_room" and spec.kind == "ours" and spec.replicate
+    assert spec.settings == {
+        "balancing": {"policy": "prefix"},
+        "routing": {"first_placement": "cache_room", "follow_threshold": 0.5},
+    }
+    for bad in ("no-colon", ":routing.x=1", "p:routing=1", "p:x.y"):
+        with pytest.raises(ValueError, match="define-policy"):
+            rq.parse_policy_definition(bad)
+
+
+def test_replicated_setups_only_for_replicated_policies(rq: ModuleType) -> None:
+    combos = rq.combinations(rq.POLICIES, 3, True)
+    setups = [(p.name, s.name) for p, s in combos]
+    assert setups[:5] == [(p.name, "1") for p in rq.POLICIES]
+    assert setups[5:] == [("prefix", "3 rr"), ("sglang_cache_aware", "3 rr"), ("prefix", "3 rr shared")]
+    assert [s.name for _, s in rq.combinations(rq.POLICIES, 1, True)] == ["1"] * 5
+
+
+def test_the_cache_holds_the_asked_share_of_the_working_set_or_the_floor(rq: ModuleType) -> None:
+    w = shared_prefix(groups=16, prompts_per_group=4, system_tokens=512, question_tokens=64)
+    working = distinct_blocks(w, block_size=16)
+    sizing = rq.size_cache(w, 4, 0.4, 1)
+    assert sizing.working_set_blocks == working
+    assert not sizing.floored and sizing.ratio == pytest.approx(0.4, abs=4 / working)
+    tiny = rq.size_cache(w, 4, 0.01, 1)  # below one prompt: raised to hold the longest one
+    assert tiny.floored and tiny.per_backend_blocks == largest_prompt_blocks(w, block_size=16) + 1
+    busy = rq.size_cache(w, 4, 0.01, 8)  # or eight running prompts
+    assert busy.per_backend_blocks > tiny.per_backend_blocks
+
+
+def _summary(hit: float, oracle: float, p99: float, load: float) -> RunSummary:
+    return RunSummary(
+        requests=10, errors=0, wall_s=1.0, hit_rate=hit, oracle_hit_rate=oracle, ttft_p50_s=p99 / 2,
+        ttft_p99_s=p99, latency_p50_s=p99, throughput_rps=10.0, backend_share={}, max_mean_load=load,
+        peak_inflight={"a": 3}, overflow_share=None,
+    )  # fmt: skip
+
+
+def test_rows_give_mean_and_worst_over_layouts_paired_by_layout(rq: ModuleType) -> None:
+    Run = rq.Run
+    runs = [
+        Run("w", "prefix", "1", 0, "closed", _summary(0.6, 0.8, 1.0, 1.2), 0.8),
+        Run("w", "prefix", "1", 1, "closed", _summary(0.4, 0.5, 2.0, 1.6), 0.5),
+        Run("w", "sglang_cache_aware", "1", 0, "closed", _summary(0.5, 0.8, 1.0, 1.1), 0.8),
+        Run("w", "sglang_cache_aware", "1", 1, "closed", _summary(0.5, 0.5, 1.0, 1.1), 0.5),
+        Run("w", "prefix", "3 rr", 0, "closed", _summary(0.3, 0.8, 1.0, 1.0), 0.8),
+        Run("w", "prefix", "3 rr", 1, "closed", _summary(0.4, 0.5, 1.0, 1.0), 0.5),
+        Run("w", "prefix", "3 rr shared", 0, "closed", None, 0.8, "unsupported"),
+        Run("w", "prefix", "3 rr shared", 1, "closed", None, 0.5, "unsupported"),
+    ]
+    rows = {(r.policy, r.setup): r for r in rq.aggregate(runs)}
+    oracle = rows[("lru_oracle", "-")]
+    assert (oracle.hit.mean, oracle.hit.worst) == pytest.approx((0.65, 0.5))
+    ours = rows[("prefix", "1")]
+    assert (ours.hit.mean, ours.hit.worst) == pytest.approx((0.5, 0.4))
+    assert (ours.of_oracle.mean, ours.of_oracle.worst) == pytest.approx(((0.75 + 0.8) / 2, 0.75))
+    assert (ours.minus_sglang.mean, ours.minus_sglang.worst) == pytest.approx((0.0, -0.1))
+    assert (ours.ttft_p99_s.mean, ours.ttft_p99_s.worst) == pytest.approx((1.5, 2.0))  # worst: highest
+    assert (ours.max_mean_load.mean, ours.max_mean_load.worst) == pytest.approx((1.4, 1.6))
+    assert ours.of_one_router is None
+    replicas = rows[("prefix", "3 rr")]
+    assert (replicas.of_one_router.mean, replicas.of_one_router.worst) == pytest.approx(
+        ((0.5 + 1.0) / 2, 0.5)
+    )
+    assert replicas.minus_sglang is None  # no SGLang at 3 routers in this run
+    assert rows[("prefix", "3 rr shared")].status == "unsupported"
+    text = rq.table(list(rows.values()))
+    assert "| prefix | 3 rr shared | 0 | unsupported |" in text
+    assert (
+        "| prefix | 1 | 2 | 50.0% | 40.0% | 0.77 | 0.75 | +0.0 | -10.0 | - | - | 750 | 1000 | 1500 | 2000 |"
+        in text
+    )
+    targets = rq.check_targets(list(rows.values()))
+    assert any("MISSED" in t and "worst layout 0.75" in t for t in targets)
+    assert any("n/a" in t and "unsupported" in t for t in targets)
+
+
+def _args(**overrides: Any) -> argparse.Namespace:
+    args = rq_parser().parse_args([])
+    for key, value in overrides.items():
+        setattr(args, key, value)
+    return args
+
+
+def rq_parser() -> argparse.ArgumentParser:
+    module = sys.modules["routing_quality_under_test"]
+    parser: argparse.ArgumentParser = module.build_parser()
+    return parser
+
+
+def test_the_reproduce_command_names_every_choice(rq: ModuleType) -> None:
+    args = _args(quick=True, layouts=3, replicas=3, replicas_shared=True, policies=["prefix"],
+                 define_policy=["x:routing.follow_threshold=0.5"])  # fmt: skip
+    cmd = rq.reproduce_command(args, "families")
+    assert cmd.startswith("python benchmarks/routing_quality.py --quick --workloads families --modes closed")
+    for part in ("--layouts 3", "--cache-ratio 0.4", "--replicas 3 --replicas-shared", "--policies prefix",
+                 "--define-policy x:routing.follow_threshold=0.5"):  # fmt: skip
+        assert part in cmd
+    trace = rq.reproduce_command(_args(trace="t.jsonl", layouts=5), "trace")
+    assert "--trace t.jsonl --trace-limit 1500 --time-scale 0.1" in trace and "--workloads" not in trace
+
+
+async def test_a_setting_the_router_does_not_know_is_unsupported_not_a_crash(rq: ModuleType) -> None:
+    policy = rq.parse_policy_definition("future:routing.no_such_setting_yet=1")
+    config = SimConfig(overhead_ms=1.0, itl_ms=0.1)
+    with tempfile.TemporaryDirectory() as tmp:
+        async with SimFleet(config, count=2) as fleet, client_session() as session:
+            with pytest.raises(rq.Unsupported, match="no_such_setting_yet"):
+                async with rq.routers(session, policy, fleet.urls, 2, Path(tmp)):
+                    pytest.fail("the router started with an unknown setting")
+
+
+async def test_each_layout_is_a_fresh_fleet_on_new_ports(rq: ModuleType) -> None:
+    config = SimConfig(overhead_ms=1.0, itl_ms=0.1)
+    seen: list[tuple[str, ...]] = []
+    for _ in range(3):
+        async with SimFleet(config, count=2) as fleet:  # what run_workload does per layout
+            seen.append(tuple(fleet.urls))
+    assert len(set(seen)) == 3
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
+async def test_the_loopback_redis_starts_and_flushes(rq: ModuleType) -> None:
+    import asyncio
+
+    with tempfile.TemporaryDirectory() as tmp:
+        async with rq.redis_server(Path(tmp)) as url:
+            assert url.startswith("redis://127.0.0.1:") and url.endswith("/0")
+            host_port = url.split("//")[1].split("/")[0]
+            host, port = host_port.split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$1\r\nv\r\n*2\r\n$6\r\nEXISTS\r\n$1\r\nk\r\n")
+            assert await reader.readline() == b"+OK\r\n"
+            assert await reader.readline() == b":1\r\n"
+            await rq.redis_flush(url)
+            writer.write(b"*2\r\n$6\r\nEXISTS\r\n$1\r\nk\r\n")
+            assert await reader.readline() == b":0\r\n"
+            writer.close()
+            await writer.wait_closed()
+
+
+async def test_a_layouts_routers_start_together_and_a_refusal_is_kept_for_its_run(rq: ModuleType) -> None:
+    good = rq.PolicySpec("ring", {"balancing": {"policy": "prefix"}, "routing": {"prefix_index": False}})
+    bad = rq.parse_policy_definition("future:routing.no_such_setting_yet=1")
+    combos = [(good, rq.Setup()), (bad, rq.Setup(2)), (good, rq.Setup(2, True))]
+    config = SimConfig(overhead_ms=1.0, itl_ms=0.1)
+    with tempfile.TemporaryDirectory() as tmp:
+        async with SimFleet(config, count=2) as fleet, client_session() as session:
+            early = await rq.start_early(session, combos, fleet.urls, Path(tmp), "t", set())
+            try:
+                # The shared-state group is not started early: its Redis is flushed first, at its turn.
+                assert set(early) == {("ring", "1"), ("future", "2 rr")}
+                assert isinstance(early[("future", "2 rr")], rq.Unsupported)
+                group = early[("ring", "1")]
+                async with session.get(group.bases[0] + "/readyz") as resp:
+                    assert resp.status == 200
+            finally:
+                for g in early.values():
+                    if isinstance(g, rq.RouterGroup):
+                        g.stop()
+
+
+def test_a_workload_sglang_cannot_be_compared_on_is_not_judged_against_it(rq: ModuleType) -> None:
+    Run = rq.Run
+    runs = [
+        Run("tenants", "prefix", "1", 0, "closed", _summary(0.2, 0.2, 1.0, 1.0), 0.2),
+        Run("tenants", "sglang_cache_aware", "1", 0, "closed", _summary(0.9, 0.2, 1.0, 1.0), 0.2),
+    ]
+    rows = rq.aggregate(runs)
+    assert any("vs SGLang" in t for t in rq.check_targets(rows))
+    assert not any("vs SGLang" in t for t in rq.check_targets(rows, ["tenants"]))
+    tenants = next(s for s in rq.build_workloads(quick=True) if s.name == "tenants")
+    assert "cache_salt" in tenants.sglang_caveat
