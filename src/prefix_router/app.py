@@ -28,6 +28,8 @@ from prefix_router.health import HealthProber
 from prefix_router.http_server import Exchange, ResponseParts
 from prefix_router.load_signal import LoadSignalScraper
 from prefix_router.metrics import BackendStatus, FleetSnapshot, RouterMetrics
+from prefix_router.model_probe import ModelProber
+from prefix_router.models import AdapterPolicy, ModelDirectory
 from prefix_router.proxy import Proxy
 from prefix_router.routing.picker import Picker
 from prefix_router.settings import Settings, normalise_backend_url
@@ -37,6 +39,7 @@ log = logging.getLogger("prefix_router")
 access_log = logging.getLogger("prefix_router.access")
 
 LOCAL_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+MODELS_PATH = "/v1/models"
 _JSON = b"application/json"
 
 # error class -> (status, OpenAI error type, code). The first match in MRO order wins.
@@ -46,6 +49,8 @@ ERROR_TABLE: dict[type[errors.RouterError], tuple[int, str, str]] = {
     errors.RequestTimeout: (408, "invalid_request_error", "request_timeout"),
     errors.HeadersTooLarge: (431, "invalid_request_error", "headers_too_large"),
     errors.BadRequest: (400, "invalid_request_error", "bad_request"),
+    errors.ModelNotFound: (404, "invalid_request_error", "model_not_found"),
+    errors.ResponseNotFound: (404, "invalid_request_error", "response_not_found"),
     errors.NoBackend: (503, "server_error", "no_backend"),
     errors.Overloaded: (503, "server_error", "overloaded"),
     errors.FirstByteTimeout: (504, "server_error", "upstream_timeout"),
@@ -86,8 +91,9 @@ class RouterApp:
         self.settings = settings
         self.registry = CollectorRegistry()
         h = settings.health
+        static = [BackendSpec(b.url, b.weight, frozenset(b.models)) for b in settings.backends]
         self.backends = BackendSet(
-            [BackendSpec(b.url, b.weight) for b in settings.backends],
+            static,
             vnodes=settings.routing.vnodes,
             health=HealthPolicy(
                 unhealthy_threshold=h.unhealthy_threshold,
@@ -100,7 +106,16 @@ class RouterApp:
         self.picker = Picker(settings.balance_config(), rng)
         self.upstream = Upstream(settings.upstream)
         self.metrics = RouterMetrics(self.registry, self.snapshot)
-        self.proxy = Proxy(settings, self.backends, self.picker, self.upstream, self.metrics, rng)
+        m = settings.models
+        self.models = ModelDirectory(
+            self.backends, settings.routing.vnodes, AdapterPolicy(m.adapters_to_base, m.adapter_bases)
+        )
+        self.models.declare({spec.url: spec.models for spec in static})
+        self._static = static
+        self._model_prober: ModelProber | None = None
+        self.proxy = Proxy(
+            settings, self.backends, self.picker, self.upstream, self.metrics, rng, models=self.models
+        )
         self.draining = False
         if settings.server.access_log:
             access_log.setLevel(logging.INFO)  # shown whatever log_level says: it was asked for
@@ -119,6 +134,11 @@ class RouterApp:
             else:
                 ex.respond(*self.render_error(errors.MethodNotAllowed(f"{ex.path} answers GET only")))
             return
+        if ex.path == MODELS_PATH and ex.method in ("GET", "HEAD"):
+            listing = self.models.listing_body()
+            if listing is not None:
+                ex.respond(200, [(b"content-type", _JSON), _length(listing)], listing)
+                return
         try:
             await self.proxy.handle(ex)
         except errors.RouterError as exc:
@@ -179,11 +199,20 @@ class RouterApp:
         await self.upstream.start()
         prober = HealthProber(self.settings.health, self.backends, self.upstream)
         self._spawn(prober.run(), "health")
-        discovery = build_discovery(
-            self.settings.discovery, [BackendSpec(b.url, b.weight) for b in self.settings.backends]
-        )
+        if self.settings.models.probe:
+            m = self.settings.models
+            self._model_prober = ModelProber(
+                self.models,
+                self.backends,
+                self.upstream,
+                path=m.path,
+                interval_s=self.settings.health.interval_s,
+                timeout_s=m.timeout_s,
+            )
+            self._spawn(self._model_prober.run(), "models")
+        discovery = build_discovery(self.settings.discovery, self._static)
         if discovery is not None:
-            self._spawn(discovery.run(self.backends.replace_members), "discovery")
+            self._spawn(discovery.run(self._discovered), "discovery")
         if self.settings.load_signal.enabled:
             scraper = LoadSignalScraper(
                 self.settings.load_signal, self.backends, self.upstream, self.proxy.capacity_changed
@@ -220,6 +249,11 @@ class RouterApp:
             self.backends.all_ejected_override,
         )
 
+    def _discovered(self, specs: list[BackendSpec]) -> None:
+        """Discovery's current list: what it declares each backend serves, then the members."""
+        self.models.declare({spec.url: spec.models for spec in specs})
+        self.backends.replace_members(specs)
+
     def _membership_changed(self) -> None:
         now = {b.url for b in self.backends.backends()}
         for gone in self._known - now:
@@ -227,6 +261,8 @@ class RouterApp:
             self.metrics.forget_backend(gone)
             self.backends.load.clear_external(gone)
             self.upstream.forget(gone)
+        if self._model_prober is not None and now - self._known:
+            self._model_prober.joined()
         self._known = now
 
     # -- local routes and admin ----------------------------------------------------------------

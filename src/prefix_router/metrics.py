@@ -32,6 +32,8 @@ ROUTER_ERROR_CODES = (
     "upstream_unavailable",
     "upstream_timeout",
     "request_timeout",
+    "model_not_found",
+    "response_not_found",
 )
 
 
