@@ -47,6 +47,9 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def __contains__(self, response_id: object) -> bool:
+        return response_id in self._entries
+
     def get(self, response_id: str) -> StoredResponse:
         stored = self._entries.get(response_id)
         if stored is None:
