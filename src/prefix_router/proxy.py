@@ -52,7 +52,9 @@ from prefix_router.upstream import Upstream, UpstreamResponse, request_headers
 BACKEND_HEADER = b"x-prefix-router-backend"
 _REFUSED_METHODS = frozenset({"CONNECT", "TRACE"})
 _RETRY_STATUSES = frozenset({429, 503})
-_ID_MARK = b'"resp_pr1'  # in a body only when it carries a response id the router made
+# In a body only when it may name a stored response (a longer needle scans faster: 8-11 µs at 32 KB
+# against 16-25 µs for the id's mark, benchmarks/responses_rewrite.py).
+_PREVIOUS_FIELD = b'"previous_response_id"'
 
 
 class Proxy:
@@ -154,7 +156,7 @@ class Proxy:
             if path == ex.raw_path:  # the client percent-encoded some of it
                 path = quote(f"{RESPONSES_PATH}/{decoded[1]}{in_path[1]}").encode("latin-1")
             target = path + b"?" + ex.query if ex.query else path
-        elif _ID_MARK in body:
+        elif _PREVIOUS_FIELD in body:
             try:
                 doc = orjson.loads(body)
             except orjson.JSONDecodeError:
