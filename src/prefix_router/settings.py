@@ -111,6 +111,8 @@ class DiscoverySettings(_Section):
     k8s_service: str | None = None
     k8s_port_name: str | None = None  # EndpointSlice port name; default: the slice's first port
     k8s_api_url: str | None = None  # default: in-cluster service account config
+    # A pod label naming the model the pod serves (needs pods: list): declared until /v1/models answers.
+    k8s_model_label: str | None = None
 
     @model_validator(mode="after")
     def _check_mode(self) -> DiscoverySettings:
