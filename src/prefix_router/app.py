@@ -134,16 +134,31 @@ class RouterApp:
             else:
                 ex.respond(*self.render_error(errors.MethodNotAllowed(f"{ex.path} answers GET only")))
             return
-        if ex.path == MODELS_PATH and ex.method in ("GET", "HEAD"):
-            listing = self.models.listing_body()
-            if listing is not None:
-                ex.respond(200, [(b"content-type", _JSON), _length(listing)], listing)
+        if ex.path.startswith(MODELS_PATH) and ex.method in ("GET", "HEAD"):
+            answer = self._models_answer(ex.path)
+            if answer is not None:
+                ex.respond(*answer)
                 return
         try:
             await self.proxy.handle(ex)
         except errors.RouterError as exc:
             if not ex.started:
                 ex.respond(*self.render_error(exc))
+
+    def _models_answer(self, path: str) -> ResponseParts | None:
+        """`/v1/models` (the fleet's union) and `/v1/models/{id}`, once backends said what they serve;
+        None: proxy it, as before."""
+        if path == MODELS_PATH:
+            listing = self.models.listing_body()
+            return None if listing is None else (200, [(b"content-type", _JSON), _length(listing)], listing)
+        if not path.startswith(MODELS_PATH + "/") or not self.models.view.known:
+            return None
+        model = path[len(MODELS_PATH) + 1 :]
+        card = next((c for c in self.models.view.listing if c.get("id") == model), None)
+        if card is None:
+            return self.render_error(errors.ModelNotFound(f"The model `{model}` does not exist."))
+        body = orjson.dumps(card)
+        return 200, [(b"content-type", _JSON), _length(body)], body
 
     # -- the access log (http_server.AccessLog), when server.access_log is on --------------------
 
@@ -314,7 +329,13 @@ class RouterApp:
             return JSONResponse(
                 {
                     "backends": [
-                        {"url": s.url, "state": s.state, "inflight": s.inflight, "load": s.load}
+                        {
+                            "url": s.url,
+                            "state": s.state,
+                            "inflight": s.inflight,
+                            "load": s.load,
+                            "models": sorted(self.models.served_by(s.url) or ()),
+                        }
                         for s in snap.backends
                     ],
                     "ring_members": list(self.backends.ring.members),

@@ -104,6 +104,18 @@ async def test_models_is_the_deduplicated_union_and_unknown_models_are_the_route
     assert before == after, "no backend saw the request"
 
 
+async def test_one_model_is_retrieved_from_the_fleets_listing() -> None:
+    async with two_model_fleet() as fleet, httpx.AsyncClient(timeout=30) as client:
+        r = await model_router(fleet)
+        try:
+            found = await client.get(f"{r.url}/v1/models/{LORA}")
+            missing = await client.get(f"{r.url}/v1/models/gpt-4o")
+        finally:
+            await r.stop()
+    assert found.status_code == 200 and found.json()["id"] == LORA and found.json()["parent"] == LLAMA
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
 async def test_an_unloaded_adapter_goes_to_its_base_only_when_configured() -> None:
     async with sims(SimConfig(model=LLAMA, **FAST)) as fleet, httpx.AsyncClient(timeout=30) as client:
         r = await model_router(fleet)
@@ -161,3 +173,17 @@ async def test_static_backends_may_declare_their_models(probe: bool) -> None:
         for backend in backends:
             await backend.stop()
     assert sorted(m["id"] for m in listing["data"]) == ["m1", "m2"]
+
+
+async def test_the_admin_listing_says_what_each_backend_serves() -> None:
+    async with two_model_fleet() as fleet:
+        urls = [b.url for b in fleet]
+        r = await model_router(fleet)
+        try:
+            transport = httpx.ASGITransport(app=r.app.admin_app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://admin") as admin:
+                listing = (await admin.get("/admin/backends")).json()
+        finally:
+            await r.stop()
+    served = {b["url"]: b["models"] for b in listing["backends"]}
+    assert served == {urls[0]: [LLAMA], urls[1]: [LLAMA, LORA], urls[2]: [OTHER]}
