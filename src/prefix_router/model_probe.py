@@ -44,13 +44,13 @@ class ModelProber:
         loop = asyncio.get_running_loop()
         next_full = loop.time()
         while True:
+            self._wake.clear()  # before probing: a backend that joins meanwhile is asked next
             if loop.time() >= next_full:
                 await self.probe(self._backends.live_urls())
                 next_full = loop.time() + self._interval_s
             else:
                 silent = [u for u in self._backends.live_urls() if not self._directory.has_report(u)]
                 await self.probe(silent)
-            self._wake.clear()
             try:
                 async with asyncio.timeout(max(0.0, next_full - loop.time())):
                     await self._wake.wait()
