@@ -14,6 +14,7 @@ from prefix_router.responses_ids import (
     decode_id,
     encode_id,
     response_id_in_path,
+    rewrite_error_ids,
     rewrite_ids,
 )
 
@@ -177,3 +178,25 @@ def test_backend_tags_follow_the_member_set() -> None:
 )
 def test_response_id_in_path(path: str, found: tuple[str, str] | None) -> None:
     assert response_id_in_path(path) == found
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        pytest.param(
+            b'{"error":{"message":"Response with id \'resp_ab\' not found.","param":"response_id"}}',
+            b'{"error":{"message":"Response with id \''
+            + encode_id("resp_ab", TAG).encode()
+            + b'\' not found.","param":"response_id"}}',
+            id="vllm-404",
+        ),
+        pytest.param(b'{"m":"xresp_ab"}', b'{"m":"xresp_ab"}', id="inside-a-word"),
+        pytest.param(
+            f'{{"m":"{encode_id("resp_ab", TAG)}"}}'.encode(),
+            f'{{"m":"{encode_id("resp_ab", TAG)}"}}'.encode(),
+            id="already-encoded",
+        ),
+    ],
+)
+def test_rewrite_error_ids(body: bytes, expected: bytes) -> None:
+    assert rewrite_error_ids(body, TAG) == expected

@@ -40,6 +40,7 @@ from prefix_router.responses_ids import (
     StreamRewriter,
     decode_id,
     response_id_in_path,
+    rewrite_error_ids,
     rewrite_ids,
 )
 from prefix_router.routing.keys import RoutingKey, extract_key
@@ -360,10 +361,11 @@ class Proxy:
                 assert tag is not None
                 # A JSON body, read whole: its length changes (a StreamBroken here is the client's 502).
                 try:
-                    data = rewrite_ids(await resp.read(), tag)
+                    data = await resp.read()
                 except StreamBroken as exc:
                     self._metrics.upstream_errors.labels(backend, exc.kind).inc()
                     raise
+                data = rewrite_error_ids(data, tag) if resp.status >= 400 else rewrite_ids(data, tag)
                 headers = [(n, v) for n, v in headers if n != b"content-length"]
                 headers.append((b"content-length", b"%d" % len(data)))
                 on_first()

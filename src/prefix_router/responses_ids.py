@@ -30,6 +30,8 @@ _SAFE = re.compile(r"[A-Za-z0-9_-]+")
 # A response id as a JSON value of the fields that hold one, in a body or one SSE data line. Inside a
 # JSON string quotes are escaped (\"), so model text that spells out such a field cannot match.
 _OUT = re.compile(rb'("(?:id|previous_response_id|response_id)"[ \t]*:[ \t]*")resp_([A-Za-z0-9_-]+)"')
+# An error body holds no model text: an id anywhere in it (vLLM: "Response with id 'resp_…' not found.").
+_IN_ERROR = re.compile(rb"(?<![A-Za-z0-9_-])resp_([A-Za-z0-9_-]+)")
 
 
 def backend_tag(url: str) -> str:
@@ -71,6 +73,20 @@ def rewrite_ids(data: bytes, tag: str) -> bytes:
         return match[1] + mark + rest + b'"'
 
     return _OUT.sub(encoded, data)
+
+
+def rewrite_error_ids(data: bytes, tag: str) -> bytes:
+    """An error body with every response id in it as the client knows it (its messages name them)."""
+    if b"resp_" not in data:
+        return data
+    mark = (_MARK + tag).encode("ascii")
+
+    def encoded(match: re.Match[bytes]) -> bytes:
+        if decode_id("resp_" + match[1].decode("ascii")) is not None:
+            return match[0]
+        return mark + match[1]
+
+    return _IN_ERROR.sub(encoded, data)
 
 
 class StreamRewriter:

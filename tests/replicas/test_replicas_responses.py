@@ -80,6 +80,12 @@ async def test_follow_ups_and_retrieves_reach_the_storing_backend_through_either
                 await second.responses.delete(made.id)
             except openai.NotFoundError:
                 not_found += 1
+                continue
+            try:
+                await first.responses.retrieve(made.id)
+                raise AssertionError("a deleted response was found")
+            except openai.NotFoundError as exc:
+                assert f"'{made.id}'" in str(exc), "the storing backend's 404 names the id the client knows"
         for c in clients:
             await c.close()
     assert not_found == 0, f"{not_found} of {N} conversations met a 404"
