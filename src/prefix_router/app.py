@@ -224,7 +224,10 @@ class RouterApp:
                 interval_s=self.settings.health.interval_s,
                 timeout_s=m.timeout_s,
             )
-            self._spawn(self._model_prober.run(), "models")
+            # Asked before the listener opens (bounded by timeout_s), so the first requests of a fleet
+            # of several models already go to their own backends.
+            await self._model_prober.probe(self.backends.live_urls())
+            self._spawn(self._model_prober.run(asked=True), "models")
         discovery = build_discovery(self.settings.discovery, self._static)
         if discovery is not None:
             self._spawn(discovery.run(self._discovered), "discovery")

@@ -39,10 +39,11 @@ class ModelProber:
         """Membership changed: ask the backends with no listing yet now, not at the next interval."""
         self._wake.set()
 
-    async def run(self) -> None:
-        """Until cancelled: every backend each interval, the silent ones whenever woken."""
+    async def run(self, asked: bool = False) -> None:
+        """Until cancelled: every backend each interval, the silent ones whenever woken (`asked`: the
+        first round is done already)."""
         loop = asyncio.get_running_loop()
-        next_full = loop.time()
+        next_full = loop.time() + (self._interval_s if asked else 0.0)
         while True:
             self._wake.clear()  # before probing: a backend that joins meanwhile is asked next
             if loop.time() >= next_full:

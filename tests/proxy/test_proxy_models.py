@@ -4,6 +4,7 @@ Simulated vLLM backends on loopback ports; the router learns what they serve fro
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
+from prefix_router.app import create_app
 from prefix_router.backends import BackendSpec
 from prefix_router.sim.config import SimConfig
 from prefix_router.sim.fleet import SimBackend
@@ -187,3 +189,15 @@ async def test_the_admin_listing_says_what_each_backend_serves() -> None:
             await r.stop()
     served = {b["url"]: b["models"] for b in listing["backends"]}
     assert served == {urls[0]: [LLAMA], urls[1]: [LLAMA, LORA], urls[2]: [OTHER]}
+
+
+async def test_the_router_knows_the_models_before_it_takes_a_request() -> None:
+    async with two_model_fleet() as fleet:
+        app = create_app(router_settings([b.url for b in fleet], models={"probe": True}))
+        await app.start()  # the listener opens after this returns
+        try:
+            known = [app.models.has_report(b.url) for b in fleet]
+            await asyncio.sleep(0)  # let the background tasks start, so stop() cancels them running
+        finally:
+            await app.stop()
+    assert known == [True, True, True]
