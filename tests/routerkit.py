@@ -48,10 +48,12 @@ class RunningRouter:
 def router_settings(backends: list[FakeBackend] | list[str], **sections: dict[str, Any]) -> Settings:
     urls = [b if isinstance(b, str) else b.url for b in backends]
     overrides: dict[str, Any] = {"backends": [{"url": u} for u in urls]}
-    # Tests drive health themselves; a slow prober keeps runs deterministic unless a test asks.
+    # Tests drive health themselves; a slow prober keeps runs deterministic unless a test asks. Nor
+    # do they ask backends for /v1/models unless they say so: a fake backend echoes every path.
     overrides["health"] = {"interval_s": 3600.0}
     # Tests read which backend answered from the header, which is off by default.
     overrides["server"] = {"backend_header": True}
+    overrides["models"] = {"probe": False}
     for name, values in sections.items():
         overrides[name] = {**overrides.get(name, {}), **values}
     return load_settings(None, overrides, environ=False)

@@ -30,6 +30,8 @@ from prefix_router.http_server import Exchange, ResponseParts
 from prefix_router.kv_capacity import KvCapacityProbe
 from prefix_router.load_signal import LoadSignalScraper
 from prefix_router.metrics import BackendStatus, FleetSnapshot, RouterMetrics
+from prefix_router.model_probe import ModelProber
+from prefix_router.models import AdapterPolicy, ModelDirectory
 from prefix_router.proxy import Proxy
 from prefix_router.routing.picker import Picker
 from prefix_router.settings import Settings, normalise_backend_url
@@ -39,6 +41,7 @@ log = logging.getLogger("prefix_router")
 access_log = logging.getLogger(LOGGER_NAME)
 
 LOCAL_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+MODELS_PATH = "/v1/models"
 _JSON = b"application/json"
 
 # error class -> (status, OpenAI error type, code). The first match in MRO order wins.
@@ -48,6 +51,8 @@ ERROR_TABLE: dict[type[errors.RouterError], tuple[int, str, str]] = {
     errors.RequestTimeout: (408, "invalid_request_error", "request_timeout"),
     errors.HeadersTooLarge: (431, "invalid_request_error", "headers_too_large"),
     errors.BadRequest: (400, "invalid_request_error", "bad_request"),
+    errors.ModelNotFound: (404, "invalid_request_error", "model_not_found"),
+    errors.ResponseNotFound: (404, "invalid_request_error", "response_not_found"),
     errors.NoBackend: (503, "server_error", "no_backend"),
     errors.Overloaded: (503, "server_error", "overloaded"),
     errors.FirstByteTimeout: (504, "server_error", "upstream_timeout"),
@@ -88,8 +93,9 @@ class RouterApp:
         self.settings = settings
         self.registry = CollectorRegistry()
         h = settings.health
+        static = [BackendSpec(b.url, b.weight, frozenset(b.models)) for b in settings.backends]
         self.backends = BackendSet(
-            [BackendSpec(b.url, b.weight) for b in settings.backends],
+            static,
             vnodes=settings.routing.vnodes,
             health=HealthPolicy(
                 unhealthy_threshold=h.unhealthy_threshold,
@@ -102,7 +108,16 @@ class RouterApp:
         self.picker = Picker(settings.balance_config(), rng)
         self.upstream = Upstream(settings.upstream)
         self.metrics = RouterMetrics(self.registry, self.snapshot)
-        self.proxy = Proxy(settings, self.backends, self.picker, self.upstream, self.metrics, rng)
+        m = settings.models
+        self.models = ModelDirectory(
+            self.backends, settings.routing.vnodes, AdapterPolicy(m.adapters_to_base, m.adapter_bases)
+        )
+        self.models.declare({spec.url: spec.models for spec in static})
+        self._static = static
+        self._model_prober: ModelProber | None = None
+        self.proxy = Proxy(
+            settings, self.backends, self.picker, self.upstream, self.metrics, rng, models=self.models
+        )
         self.draining = False
         self.access_log: JsonAccessLog | None = None
         if settings.server.access_log:
@@ -126,11 +141,31 @@ class RouterApp:
             else:
                 self._answer_error(ex, errors.MethodNotAllowed(f"{ex.path} answers GET only"))
             return
+        if ex.path.startswith(MODELS_PATH) and ex.method in ("GET", "HEAD"):
+            answer = self._models_answer(ex.path)
+            if answer is not None:
+                ex.respond(*answer)
+                return
         try:
             await self.proxy.handle(ex)
         except errors.RouterError as exc:
             if not ex.started:
                 self._answer_error(ex, exc)
+
+    def _models_answer(self, path: str) -> ResponseParts | None:
+        """`/v1/models` (the fleet's union) and `/v1/models/{id}`, once backends said what they serve;
+        None: proxy it, as before."""
+        if path == MODELS_PATH:
+            listing = self.models.listing_body()
+            return None if listing is None else (200, [(b"content-type", _JSON), _length(listing)], listing)
+        if not path.startswith(MODELS_PATH + "/") or not self.models.view.known:
+            return None
+        model = path[len(MODELS_PATH) + 1 :]
+        card = next((c for c in self.models.view.listing if c.get("id") == model), None)
+        if card is None:
+            return self.render_error(errors.ModelNotFound(f"The model `{model}` does not exist."))
+        body = orjson.dumps(card)
+        return 200, [(b"content-type", _JSON), _length(body)], body
 
     def _answer_error(self, ex: Exchange, exc: errors.RouterError) -> None:
         """An error the router answers on an exchange: counted with the backend tried, if any."""
@@ -167,11 +202,23 @@ class RouterApp:
         await self.upstream.start()
         prober = HealthProber(self.settings.health, self.backends, self.upstream)
         self._spawn(prober.run(), "health")
-        discovery = build_discovery(
-            self.settings.discovery, [BackendSpec(b.url, b.weight) for b in self.settings.backends]
-        )
+        if self.settings.models.probe:
+            m = self.settings.models
+            self._model_prober = ModelProber(
+                self.models,
+                self.backends,
+                self.upstream,
+                path=m.path,
+                interval_s=self.settings.health.interval_s,
+                timeout_s=m.timeout_s,
+            )
+            # Asked before the listener opens (bounded by timeout_s), so the first requests of a fleet
+            # of several models already go to their own backends.
+            await self._model_prober.probe(self.backends.live_urls())
+            self._spawn(self._model_prober.run(asked=True), "models")
+        discovery = build_discovery(self.settings.discovery, self._static)
         if discovery is not None:
-            self._spawn(discovery.run(self.backends.replace_members), "discovery")
+            self._spawn(discovery.run(self._discovered), "discovery")
         if self.picker.ledgers is not None:
             capacity = KvCapacityProbe(
                 self.backends,
@@ -220,6 +267,11 @@ class RouterApp:
             self.backends.all_ejected_override,
         )
 
+    def _discovered(self, specs: list[BackendSpec]) -> None:
+        """Discovery's current list: what it declares each backend serves, then the members."""
+        self.models.declare({spec.url: spec.models for spec in specs})
+        self.backends.replace_members(specs)
+
     def _membership_changed(self) -> None:
         now = {b.url for b in self.backends.backends()}
         for gone in self._known - now:
@@ -229,6 +281,8 @@ class RouterApp:
             self.upstream.forget(gone)
         for joined in now - self._known:
             self.metrics.backend(joined)
+        if self._model_prober is not None and now - self._known:
+            self._model_prober.joined()
         self._known = now
 
     # -- local routes and admin ----------------------------------------------------------------
@@ -280,7 +334,13 @@ class RouterApp:
             return JSONResponse(
                 {
                     "backends": [
-                        {"url": s.url, "state": s.state, "inflight": s.inflight, "load": s.load}
+                        {
+                            "url": s.url,
+                            "state": s.state,
+                            "inflight": s.inflight,
+                            "load": s.load,
+                            "models": sorted(self.models.served_by(s.url) or ()),
+                        }
                         for s in snap.backends
                     ],
                     "ring_members": list(self.backends.ring.members),

@@ -23,6 +23,7 @@ from prefix_router.routing.ring import HashRing, Member
 class BackendSpec:
     url: str  # normalised scheme://host:port: the stable identity on the ring
     weight: float = 1.0
+    models: frozenset[str] = frozenset()  # declared (config, a pod label) until it lists its own
 
 
 class HealthState(StrEnum):

@@ -4,7 +4,9 @@ RouterError
 ├── SettingsError          configuration rejected at start-up (exit 2)
 ├── RequestError           the client's request is unacceptable
 │   ├── BodyTooLarge       over server.max_body_bytes
-│   └── BadRequest         malformed framing or a value the router refuses
+│   ├── BadRequest         malformed framing or a value the router refuses
+│   ├── ModelNotFound      no backend serves the model asked for
+│   └── ResponseNotFound   a stored response whose backend has left the fleet
 ├── RoutingError           no backend can take the request
 │   ├── NoBackend          no healthy backend at all
 │   └── Overloaded         every candidate at its bound after the bounded wait
@@ -52,6 +54,14 @@ class HeadersTooLarge(RequestError):
 
 
 class ClientDisconnected(RequestError):
+    pass
+
+
+class ModelNotFound(RequestError):
+    pass
+
+
+class ResponseNotFound(RequestError):
     pass
 
 

@@ -50,6 +50,8 @@ ROUTER_ERROR_CODES = (
     "upstream_unavailable",
     "upstream_timeout",
     "request_timeout",
+    "model_not_found",
+    "response_not_found",
 )
 UPSTREAM_ERROR_KINDS = tuple(
     cls.kind

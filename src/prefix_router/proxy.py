@@ -13,6 +13,8 @@ import hashlib
 import hmac
 import random
 import time
+from collections.abc import Callable
+from urllib.parse import quote
 
 import orjson
 
@@ -25,20 +27,35 @@ from prefix_router.errors import (
     MethodNotAllowed,
     NoBackend,
     Overloaded,
+    ResponseNotFound,
     StreamBroken,
     UpstreamError,
 )
 from prefix_router.http_server import Exchange
 from prefix_router.metrics import RouterMetrics
+from prefix_router.models import ModelDirectory
+from prefix_router.responses_ids import (
+    RESPONSES_PATH,
+    BackendTags,
+    StreamRewriter,
+    decode_id,
+    response_id_in_path,
+    rewrite_error_ids,
+    rewrite_ids,
+)
 from prefix_router.routing.keys import RoutingKey, extract_key
 from prefix_router.routing.load import Lease
-from prefix_router.routing.picker import Branch, Decision, Picker
+from prefix_router.routing.picker import Branch, Candidates, Decision, Picker
+from prefix_router.routing.ring import HashRing
 from prefix_router.settings import Settings
 from prefix_router.upstream import Upstream, UpstreamResponse, request_headers
 
 BACKEND_HEADER = b"x-prefix-router-backend"
 _REFUSED_METHODS = frozenset({"CONNECT", "TRACE"})
 _RETRY_STATUSES = frozenset({429, 503})
+# In a body only when it may name a stored response (a longer needle scans faster: 8-11 µs at 32 KB
+# against 16-25 µs for the id's mark, benchmarks/responses_rewrite.py).
+_PREVIOUS_FIELD = b'"previous_response_id"'
 
 
 class Proxy:
@@ -50,8 +67,12 @@ class Proxy:
         upstream: Upstream,
         metrics: RouterMetrics,
         rng: random.Random | None = None,
+        models: ModelDirectory | None = None,
     ) -> None:
         self._settings = settings
+        self._models = models
+        self._tags = BackendTags(b.url for b in backends.backends())
+        backends.on_change(lambda: self._tags.update(b.url for b in backends.backends()))
         self._key_config = settings.key_config()
         self._backends = backends
         self._picker = picker
@@ -88,11 +109,14 @@ class Proxy:
             raise BadRequest("the request target must be a path starting with '/'")
         body = ex.body
         key = extract_key(ex.path, body, self._tenant(ex.headers), self._key_config)
+        target, pin, responses = ex.target, None, ex.path.startswith(RESPONSES_PATH)
+        if responses:
+            body, target, pin = self._restore_response_ids(ex, body)
         if self._salt_secret is not None and body:
             body = self._with_cache_salt(body, key)
         self._active += 1
         try:
-            await self._relay(ex, body, key)
+            await self._relay(ex, body, key, target, pin, responses)
         except asyncio.CancelledError:
             if ex.client_gone:
                 self._metrics.client_disconnects.inc()
@@ -119,9 +143,50 @@ class Proxy:
         doc["cache_salt"] = hmac.new(self._salt_secret, tenant, hashlib.sha256).hexdigest()
         return orjson.dumps(doc)
 
+    def _restore_response_ids(self, ex: Exchange, body: bytes) -> tuple[bytes, bytes, str | None]:
+        """(body, target) with the backend's own response ids, and the backend that stored the one
+        the request names (None: it names none the router made). ResponseNotFound when that backend
+        has left the fleet."""
+        target = ex.target
+        named: str | None = None
+        in_path = response_id_in_path(ex.path)
+        decoded = decode_id(in_path[0]) if in_path is not None else None
+        if in_path is not None and decoded is not None:
+            named = in_path[0]
+            path = ex.raw_path.replace(named.encode("ascii"), decoded[1].encode("ascii"), 1)
+            if path == ex.raw_path:  # the client percent-encoded some of it
+                path = quote(f"{RESPONSES_PATH}/{decoded[1]}{in_path[1]}").encode("latin-1")
+            target = path + b"?" + ex.query if ex.query else path
+        elif _PREVIOUS_FIELD in body:
+            try:
+                doc = orjson.loads(body)
+            except orjson.JSONDecodeError:
+                doc = None
+            previous = doc.get("previous_response_id") if isinstance(doc, dict) else None
+            decoded = decode_id(previous) if isinstance(previous, str) else None
+            if decoded is not None and isinstance(previous, str):
+                named = previous
+                body = body.replace(b'"%s"' % previous.encode(), b'"%s"' % decoded[1].encode())
+        if named is None or decoded is None:
+            return body, target, None
+        url = self._tags.url_of(decoded[0])
+        if url is None:
+            raise ResponseNotFound(
+                f"Response with id '{named}' was stored by a backend that is no longer in the fleet; "
+                "it cannot be retrieved or continued."
+            )
+        return body, target, url
+
     # -- placement -----------------------------------------------------------------------------
 
-    async def _choose(self, key: RoutingKey, exclude: list[str]) -> Decision:
+    def _scope(self, key: RoutingKey, fleet: Candidates) -> tuple[HashRing, Candidates]:
+        """The ring and candidates of the key's model (the whole fleet's without model routing)."""
+        route = self._models.route(key.model) if self._models is not None else None
+        if route is None:
+            return self._backends.ring, fleet
+        return route.ring, route.narrow(fleet)
+
+    async def _choose(self, key: RoutingKey, exclude: list[str], pin: str | None = None) -> Decision:
         """A decision within the bound, waiting (bounded) while every backend is at max_inflight,
         and (bounded) while another request prefills this one's prefix on the chosen backend."""
         balancing = self._settings.balancing
@@ -130,10 +195,13 @@ class Proxy:
         wait = self._prefill_wait_s > 0 and not exclude
         queued_s = 0.0  # time spent in the capacity queue, observed once per request
         while True:
-            candidates = self._backends.candidates_now(self._rng)
-            decision = self._picker.pick(
-                key, self._backends.ring, candidates, self._backends.load, exclude, wait=wait
-            )
+            if pin is not None:
+                # The backend that stored the response named: no other one could answer.
+                present = pin not in exclude and self._backends.get(pin) is not None
+                decision = Decision(pin, Branch.AFFINITY) if present else None
+            else:
+                ring, candidates = self._scope(key, self._backends.candidates_now(self._rng))
+                decision = self._picker.pick(key, ring, candidates, self._backends.load, exclude, wait=wait)
             if decision is None:
                 raise NoBackend("no healthy backend is available")
             if decision.wait_for is not None:
@@ -193,7 +261,15 @@ class Proxy:
 
     # -- relay ---------------------------------------------------------------------------------
 
-    async def _relay(self, ex: Exchange, body: bytes, key: RoutingKey) -> None:
+    async def _relay(
+        self,
+        ex: Exchange,
+        body: bytes,
+        key: RoutingKey,
+        target: bytes,
+        pin: str | None = None,
+        responses: bool = False,
+    ) -> None:
         up = self._settings.upstream
         headers = request_headers(ex.headers, ex.client_ip, ex.scheme)
         tried: list[str] = []
@@ -202,7 +278,7 @@ class Proxy:
             attempt = len(tried)
             retrying = attempt > 0
             try:
-                decision = await self._choose(key, tried)
+                decision = await self._choose(key, tried, pin)
             except NoBackend:
                 if last_error is not None:
                     raise last_error from None
@@ -220,7 +296,7 @@ class Proxy:
             started = time.perf_counter()
             try:
                 try:
-                    resp = await self._upstream.send(ex.method, backend, ex.target, headers, body)
+                    resp = await self._upstream.send(ex.method, backend, target, headers, body)
                 except ConnectFailed as exc:
                     self._metrics.upstream_errors.labels(backend, exc.kind).inc()
                     self._backends.record_failure(backend, probe=False)
@@ -235,7 +311,7 @@ class Proxy:
                     raise
                 if resp.status in _RETRY_STATUSES and len(tried) + 1 < up.max_attempts:
                     tried.append(backend)
-                    if self._retry_allowed() and self._has_other(tried):
+                    if pin is None and self._retry_allowed() and self._has_other(key, tried):
                         resp.abort()
                         self._metrics.upstream_errors.labels(backend, BackendOverloaded.kind).inc()
                         self._metrics.retries.labels(f"status_{resp.status}").inc()
@@ -244,7 +320,8 @@ class Proxy:
                 self._backends.record_success(backend, probe=False)
                 if resp.status < 400:
                     self._picker.placed(key, backend)
-                await self._stream(ex, resp, backend, branch, started, prefill)
+                tag = self._tags.tag_of(backend) if responses else None
+                await self._stream(ex, resp, backend, branch, started, prefill, tag)
                 return
             finally:
                 self._end_prefill(prefill)
@@ -252,8 +329,8 @@ class Proxy:
                     self._retrying -= 1
                 self._release(lease)
 
-    def _has_other(self, tried: list[str]) -> bool:
-        members = self._backends.candidates.members
+    def _has_other(self, key: RoutingKey, tried: list[str]) -> bool:
+        members = self._scope(key, self._backends.candidates)[1].members
         return any(b not in tried for b in members)
 
     async def _stream(
@@ -264,12 +341,22 @@ class Proxy:
         branch: Branch,
         started: float,
         prefill: int | None = None,
+        tag: str | None = None,
     ) -> None:
-        """Relay the response as it arrives; on any exit but the end, drop the upstream connection."""
+        """Relay the response as it arrives; on any exit but the end, drop the upstream connection.
+
+        With a backend `tag` (the Responses API), response ids are rewritten on the way: an event
+        stream line by line, a JSON body whole (its length changes)."""
         series = self._metrics.backend(backend)
         headers = resp.headers
         if self._settings.server.backend_header:
             headers.append((BACKEND_HEADER, backend.encode("latin-1")))
+        sink: Callable[[bytes], None] = ex.write
+        rewriter: StreamRewriter | None = None
+        whole = tag is not None and not _is_event_stream(headers)
+        if tag is not None and not whole:
+            rewriter = StreamRewriter(tag, ex.write)
+            sink = rewriter.write
         complete = False
         first_seen = False
 
@@ -280,20 +367,37 @@ class Proxy:
             self._end_prefill(prefill)
 
         try:
-            ex.start(resp.status, headers)
-            ex.flow = resp
-            if ex.writing_paused:
-                resp.pause_reading()
-            try:
-                # Body chunks go from the backend's socket callback straight to the client's.
-                await resp.pipe(ex.write, on_first, ex.flush)
-            except StreamBroken as exc:
-                self._metrics.upstream_errors.labels(backend, exc.kind).inc()
-                # No [DONE] is invented: the listener closes a response that did not end, which the
-                # client sees as a truncated body.
-                return
-            if not first_seen:
+            if whole:
+                assert tag is not None
+                # A JSON body, read whole: its length changes (a StreamBroken here is the client's 502).
+                try:
+                    data = await resp.read()
+                except StreamBroken as exc:
+                    self._metrics.upstream_errors.labels(backend, exc.kind).inc()
+                    raise
+                data = rewrite_error_ids(data, tag) if resp.status >= 400 else rewrite_ids(data, tag)
+                headers = [(n, v) for n, v in headers if n != b"content-length"]
+                headers.append((b"content-length", b"%d" % len(data)))
                 on_first()
+                ex.start(resp.status, headers)
+                ex.write(data)
+            else:
+                ex.start(resp.status, headers)
+                ex.flow = resp
+                if ex.writing_paused:
+                    resp.pause_reading()
+                try:
+                    # Body chunks go from the backend's socket callback straight to the client's.
+                    await resp.pipe(sink, on_first, ex.flush)
+                except StreamBroken as exc:
+                    self._metrics.upstream_errors.labels(backend, exc.kind).inc()
+                    # No [DONE] is invented: the listener closes a response that did not end, which the
+                    # client sees as a truncated body.
+                    return
+                if not first_seen:
+                    on_first()
+                if rewriter is not None:
+                    rewriter.flush()
             ex.end()
             complete = True
             resp.finish()
@@ -302,3 +406,7 @@ class Proxy:
                 resp.abort()
             series.answered(branch, resp.status)
             series.duration.observe(time.perf_counter() - started)
+
+
+def _is_event_stream(headers: list[tuple[bytes, bytes]]) -> bool:
+    return any(n == b"content-type" and v.startswith(b"text/event-stream") for n, v in headers)

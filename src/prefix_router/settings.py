@@ -66,6 +66,8 @@ class ServerSettings(_Section):
 class BackendSettings(_Section):
     url: str
     weight: float = Field(1.0, gt=0, le=100)
+    # What it serves, until its own /v1/models says (or for good, if it lists none): model names.
+    models: tuple[str, ...] = ()
 
     @field_validator("url")
     @classmethod
@@ -113,6 +115,8 @@ class DiscoverySettings(_Section):
     k8s_service: str | None = None
     k8s_port_name: str | None = None  # EndpointSlice port name; default: the slice's first port
     k8s_api_url: str | None = None  # default: in-cluster service account config
+    # A pod label naming the model the pod serves (needs pods: list): declared until /v1/models answers.
+    k8s_model_label: str | None = None
 
     @model_validator(mode="after")
     def _check_mode(self) -> DiscoverySettings:
@@ -208,6 +212,19 @@ class LoadSignalSettings(_Section):
     path: str = "/metrics"
 
 
+class ModelSettings(_Section):
+    # Ask every backend's /v1/models what it serves (at start, each health interval, when one joins),
+    # and send a request only to backends serving its `model`. Off: every backend serves every model.
+    probe: bool = True
+    path: str = "/v1/models"
+    timeout_s: float = Field(2.0, gt=0)
+    # A request for a LoRA adapter no backend has loaded goes to its base model's backends (for vLLM
+    # with runtime LoRA loading, which loads it there) instead of a 404 from the router.
+    adapters_to_base: bool = False
+    # adapter -> base model, for adapters no backend lists yet (one base model in the fleet: assumed).
+    adapter_bases: dict[str, str] = Field(default_factory=dict)
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid", frozen=True, case_sensitive=False
@@ -221,6 +238,7 @@ class Settings(BaseSettings):
     upstream: UpstreamSettings = UpstreamSettings()
     health: HealthSettings = HealthSettings()
     load_signal: LoadSignalSettings = LoadSignalSettings()
+    models: ModelSettings = ModelSettings()
 
     @model_validator(mode="after")
     def _check_backends(self) -> Settings:

@@ -72,6 +72,12 @@ def expected_field_schema(annotation: Any, metadata: list[Any]) -> dict[str, Any
         out["type"] = "number"
     elif annotation is str or annotation is SecretStr:
         out["type"] = "string"
+    elif typing.get_origin(annotation) is tuple:  # tuple[X, ...]: a list of X
+        out["type"] = "array"
+        out["items"] = expected_field_schema(typing.get_args(annotation)[0], [])
+    elif typing.get_origin(annotation) is dict:  # dict[str, X]: a mapping to X
+        out["type"] = "object"
+        out["additionalProperties"] = expected_field_schema(typing.get_args(annotation)[1], [])
     else:  # pragma: no cover - a new kind of field needs a decision in the chart
         raise AssertionError(f"no schema mapping for {annotation!r}")
     for item in metadata:

@@ -227,6 +227,12 @@ def test_kubernetes_discovery_gets_read_only_endpointslice_rbac(render: Any) -> 
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": FULLNAME, "namespace": NAMESPACE}]
 
 
+def test_a_model_label_adds_read_access_to_pods_only(render: Any) -> None:
+    discovery = {"mode": "kubernetes", "k8s_service": "vllm", "k8s_model_label": "model"}
+    role = one(render({"config": {"discovery": discovery}}), "Role")
+    assert role["rules"][1:] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}]
+
+
 def test_rbac_follows_the_watched_namespace(render: Any) -> None:
     values = {"config": {"discovery": {"mode": "kubernetes", "k8s_service": "vllm", "k8s_namespace": "gpu"}}}
     manifests = render(values)

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 from aiohttp import web
-from discovery_fakes import SLICES_PATH, FakeDnsServer, FakeEndpointSliceApi
+from discovery_fakes import PODS_PATH, SLICES_PATH, FakeDnsServer, FakeEndpointSliceApi
 
 
 @pytest.fixture
@@ -25,6 +25,7 @@ async def k8s_api() -> AsyncIterator[FakeEndpointSliceApi]:
     fake = FakeEndpointSliceApi()
     app = web.Application()
     app.router.add_get(SLICES_PATH, fake.handle)
+    app.router.add_get(PODS_PATH, fake.handle_pods)
     runner = web.AppRunner(app, shutdown_timeout=0.5)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)

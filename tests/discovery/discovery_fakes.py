@@ -26,6 +26,7 @@ SERVICE_NAME = "vllm.prefix-router.test."  # never resolved anywhere but the fak
 NAMESPACE = "inference"
 SERVICE = "vllm"
 SLICES_PATH = f"/apis/discovery.k8s.io/v1/namespaces/{NAMESPACE}/endpointslices"
+PODS_PATH = f"/api/v1/namespaces/{NAMESPACE}/pods"
 
 _BREAK = object()  # cut the watch connection in the middle of an event
 _END = object()  # end the watch cleanly, as the server does when timeoutSeconds expires
@@ -75,11 +76,13 @@ class AppliedSets:
 
     def __init__(self) -> None:
         self.calls: list[frozenset[str]] = []
+        self.models: dict[str, frozenset[str]] = {}  # as declared by the last call
 
     def apply(self, specs: list[BackendSpec]) -> None:
         urls = [spec.url for spec in specs]
         assert len(urls) == len(set(urls)), "apply got duplicates"
         self.calls.append(frozenset(urls))
+        self.models = {spec.url: spec.models for spec in specs if spec.models}
 
     @property
     def last(self) -> frozenset[str] | None:
@@ -135,6 +138,15 @@ def endpoint_slice(
     }
 
 
+def pod(name: str, ip: str, labels: dict[str, str]) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": NAMESPACE, "labels": labels},
+        "status": {"podIP": ip, "podIPs": [{"ip": ip}]},
+    }
+
+
 def status_gone(message: str) -> dict[str, Any]:
     return {
         "kind": "Status",
@@ -157,6 +169,8 @@ class FakeEndpointSliceApi:
         self.compacted_below = 0  # a watch from an older resourceVersion than this gets HTTP 410
         self.failing_lists = 0  # answer this many list requests with a 500 first
         self.requests: list[dict[str, str]] = []
+        self.pods: list[dict[str, Any]] = []  # listed (not watched) by a label-exists selector
+        self.pod_lists: list[dict[str, str]] = []
         self.url = ""  # set by the fixture once the server listens
         self._watch_queues: list[asyncio.Queue[object]] = []
 
@@ -232,6 +246,15 @@ class FakeEndpointSliceApi:
                 "metadata": {"resourceVersion": str(self.version)},
                 "items": items,
             }
+        )
+
+    async def handle_pods(self, request: web.Request) -> web.Response:
+        query = dict(request.query)
+        self.pod_lists.append(query)
+        key = query.get("labelSelector", "")
+        items = [p for p in self.pods if not key or key in p["metadata"].get("labels", {})]
+        return web.json_response(
+            {"apiVersion": "v1", "kind": "PodList", "metadata": {"resourceVersion": "1"}, "items": items}
         )
 
     async def _watch(self, request: web.Request, query: dict[str, str], selector: str) -> web.StreamResponse:

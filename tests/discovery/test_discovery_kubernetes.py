@@ -15,6 +15,7 @@ from discovery_fakes import (
     FakeEndpointSliceApi,
     endpoint,
     endpoint_slice,
+    pod,
     running,
     status_gone,
     wait_until,
@@ -26,13 +27,14 @@ from prefix_router.errors import SettingsError
 from prefix_router.settings import DiscoveryMode, DiscoverySettings
 
 
-def make_discovery(api_url: str, port_name: str | None = "http") -> Discovery:
+def make_discovery(api_url: str, port_name: str | None = "http", model_label: str | None = None) -> Discovery:
     settings = DiscoverySettings(
         mode=DiscoveryMode.KUBERNETES,
         k8s_namespace=NAMESPACE,
         k8s_service=SERVICE,
         k8s_port_name=port_name,
         k8s_api_url=api_url,
+        k8s_model_label=model_label,
     )
     discovery = build_discovery(settings, [])
     assert discovery is not None
@@ -216,3 +218,35 @@ def test_namespace_defaults_to_the_pods_own(tmp_path: Path) -> None:
     assert read_pod_namespace(path) == "inference"
     with pytest.raises(SettingsError, match="k8s_namespace"):
         read_pod_namespace(tmp_path / "missing")
+
+
+async def test_a_pod_label_declares_the_model_its_backend_serves(k8s_api: FakeEndpointSliceApi) -> None:
+    fake = k8s_api
+    fake.pods = [
+        pod("llama-0", "192.0.2.1", {"app": "vllm", "model": "llama-3-8b"}),
+        pod("qwen-0", "2001:db8:0:0::7", {"app": "vllm", "model": "qwen-7b"}),
+        pod("plain-0", "192.0.2.3", {"app": "vllm"}),
+    ]
+    fake.upsert(endpoint_slice("vllm-a", [endpoint("192.0.2.1"), endpoint("192.0.2.3")]))
+    fake.upsert(endpoint_slice("vllm-b", [endpoint("2001:db8::7")], address_type="IPv6"))
+    applied = AppliedSets()
+    async with running(make_discovery(fake.url, model_label="model"), applied):
+        await wait_until(lambda: applied.last is not None and len(applied.last) == 3)
+        assert applied.models == {
+            "http://192.0.2.1:8000": frozenset({"llama-3-8b"}),
+            "http://[2001:db8::7]:8000": frozenset({"qwen-7b"}),
+        }
+        assert fake.pod_lists[0]["labelSelector"] == "model"
+        lists = len(fake.pod_lists)
+        fake.upsert(endpoint_slice("vllm-a", [endpoint("192.0.2.1")]))  # a pod leaves: list the pods again
+        await wait_until(lambda: applied.last is not None and len(applied.last) == 2)
+        assert len(fake.pod_lists) == lists + 1
+        assert applied.models["http://192.0.2.1:8000"] == frozenset({"llama-3-8b"})
+
+
+async def test_without_a_model_label_no_pod_is_listed(k8s_api: FakeEndpointSliceApi) -> None:
+    k8s_api.upsert(endpoint_slice("vllm-a", [endpoint("192.0.2.1")]))
+    applied = AppliedSets()
+    async with running(make_discovery(k8s_api.url), applied):
+        await wait_until(lambda: applied.last is not None)
+    assert k8s_api.pod_lists == [] and applied.models == {}

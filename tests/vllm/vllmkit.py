@@ -69,6 +69,7 @@ def vllm_env(cpu: int) -> dict[str, str]:
         DO_NOT_TRACK="1",
         VLLM_HOST_IP="127.0.0.1",  # the engine's internal sockets stay on loopback
         VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_ENABLE_RESPONSES_API_STORE="1",  # previous_response_id, GET/DELETE/cancel of stored responses
         VLLM_CPU_OMP_THREADS_BIND=str(cpu),
     )
     return env

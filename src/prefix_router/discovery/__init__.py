@@ -48,5 +48,6 @@ def build_discovery(settings: DiscoverySettings, static: Sequence[BackendSpec]) 
         port_name=settings.k8s_port_name,
         scheme=settings.scheme,
         api_url=settings.k8s_api_url,
+        model_label=settings.k8s_model_label,
         initial=initial,
     )

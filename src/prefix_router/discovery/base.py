@@ -8,7 +8,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
 from prefix_router.backends import BackendSpec
@@ -50,6 +50,7 @@ class MembershipPublisher:
         self._apply = apply
         self._source = source
         self._current: frozenset[str] = frozenset(initial)
+        self._models: Mapping[str, frozenset[str]] = {}
         self._published = False
 
     @property
@@ -57,18 +58,21 @@ class MembershipPublisher:
         """The last set applied (before the first publish: the set the app started from)."""
         return self._current
 
-    def publish(self, urls: Iterable[str]) -> bool:
+    def publish(self, urls: Iterable[str], models: Mapping[str, frozenset[str]] | None = None) -> bool:
+        """`models`: what the source says some backends serve (a pod label), by URL."""
         wanted = frozenset(urls)
-        if self._published and wanted == self._current:
+        declared = {url: models[url] for url in wanted if models and models.get(url)}
+        if self._published and wanted == self._current and declared == self._models:
             return False
         try:
-            self._apply([BackendSpec(url) for url in sorted(wanted)])
+            self._apply([BackendSpec(url, models=declared.get(url, frozenset())) for url in sorted(wanted)])
         except Exception:
             logger.exception("%s discovery: applying %d backends failed", self._source, len(wanted))
             return False
         added, removed = len(wanted - self._current), len(self._current - wanted)
         logger.info("%s discovery: %d backends (+%d -%d)", self._source, len(wanted), added, removed)
         self._current = wanted
+        self._models = declared
         self._published = True
         return True
 

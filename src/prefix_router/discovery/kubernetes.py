@@ -4,6 +4,8 @@ It follows the list-then-watch pattern of client-go's reflector: list once for t
 resourceVersion, then watch from there; a broken or ended watch resumes from the last resourceVersion
 seen (no event is lost), and only 410 Gone (that version was compacted away) costs a fresh list.
 Unlike DNS, the API server is authoritative: when it says no endpoint is ready, the set is empty.
+With `model_label`, the pods carrying that label are listed whenever the set changes, and each
+backend is declared to serve the model its pod's label names (until its own /v1/models says).
 
 kubernetes_asyncio is an optional extra, imported only when this source is built, so the core router
 runs without it.
@@ -12,13 +14,15 @@ runs without it.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any, NoReturn
+from urllib.parse import urlsplit
 
 import aiohttp  # only for the watch's timeouts: kubernetes_asyncio's transport is aiohttp
 
@@ -101,6 +105,37 @@ def slice_backends(endpoint_slice: Any, scheme: str, port_name: str | None) -> f
     return frozenset(urls)
 
 
+def pod_models(pods: Iterable[Any], label: str) -> dict[str, str]:
+    """Pod IP (compressed) -> the model its `label` names, for every pod carrying the label."""
+    out: dict[str, str] = {}
+    for pod in pods:
+        model = (getattr(getattr(pod, "metadata", None), "labels", None) or {}).get(label)
+        status = getattr(pod, "status", None)
+        if not isinstance(model, str) or not model or status is None:
+            continue
+        ips = [getattr(entry, "ip", None) for entry in getattr(status, "pod_i_ps", None) or ()]
+        for ip in [*ips, getattr(status, "pod_ip", None)]:
+            try:
+                out[ipaddress.ip_address(str(ip)).compressed] = model
+            except ValueError:
+                continue
+    return out
+
+
+def backend_models(urls: Iterable[str], by_ip: Mapping[str, str]) -> dict[str, frozenset[str]]:
+    """What each backend serves, by the label of the pod at its address."""
+    out: dict[str, frozenset[str]] = {}
+    for url in urls:
+        host = urlsplit(url).hostname or ""
+        try:
+            model = by_ip.get(ipaddress.ip_address(host).compressed)
+        except ValueError:
+            model = None
+        if model is not None:
+            out[url] = frozenset({model})
+    return out
+
+
 def _select_port(ports: Iterable[Any], port_name: str | None) -> int | None:
     for port in ports:
         if port_name is None or getattr(port, "name", None) == port_name:
@@ -129,6 +164,7 @@ class KubernetesDiscovery:
         port_name: str | None = None,
         scheme: str = "http",
         api_url: str | None = None,
+        model_label: str | None = None,
         initial: Iterable[str] = (),
         watch_timeout_s: int = 300,
         request_timeout_s: float = 10.0,
@@ -140,6 +176,9 @@ class KubernetesDiscovery:
         self._port_name = port_name
         self._scheme = scheme
         self._api_url = api_url
+        self._model_label = model_label
+        self._models_by_ip: dict[str, str] = {}
+        self._models_for: frozenset[str] | None = None  # the backend set the pods were listed for
         self._initial = frozenset(initial)
         # The server ends each watch after about this long (as client-go asks, 5-10 min); the client
         # gives up on a silent connection a little later, so a half-open TCP connection cannot hang us.
@@ -179,12 +218,23 @@ class KubernetesDiscovery:
         self, api_client: Any, state: _SliceState, publisher: MembershipPublisher, backoff: Backoff
     ) -> NoReturn:
         api = self._kubernetes.client.DiscoveryV1Api(api_client)
+        pods = self._kubernetes.client.CoreV1Api(api_client)
+
+        async def publish() -> None:
+            backends = state.backends()
+            if self._model_label is None:
+                publisher.publish(backends)
+                return
+            if backends != self._models_for:
+                await self._list_pods(pods, backends)
+            publisher.publish(backends, backend_models(backends, self._models_by_ip))
+
         while True:
             try:
                 if state.resource_version is None:
                     await self._list(api, state)
-                    publisher.publish(state.backends())
-                await self._watch(api, state, publisher, backoff)
+                    await publish()
+                await self._watch(api, state, publish, backoff)
                 logger.debug("kubernetes discovery: watch ended at %s; resuming", state.resource_version)
             except self._kubernetes.api_exception as exc:
                 if getattr(exc, "status", None) == _GONE:
@@ -213,8 +263,21 @@ class KubernetesDiscovery:
         }
         state.resource_version = slice_list.metadata.resource_version
 
+    async def _list_pods(self, pods: Any, backends: frozenset[str]) -> None:
+        """The model label of every labelled pod; a failed list keeps the last answer."""
+        assert self._model_label is not None
+        try:
+            pod_list = await pods.list_namespaced_pod(
+                self._namespace, label_selector=self._model_label, _request_timeout=self._request_timeout_s
+            )
+        except Exception as exc:  # the API, RBAC (pods: list) or the connection
+            logger.warning("kubernetes discovery: listing the labelled pods failed: %s", _describe(exc))
+            return
+        self._models_by_ip = pod_models(pod_list.items or (), self._model_label)
+        self._models_for = backends
+
     async def _watch(
-        self, api: Any, state: _SliceState, publisher: MembershipPublisher, backoff: Backoff
+        self, api: Any, state: _SliceState, publish: Callable[[], Awaitable[None]], backoff: Backoff
     ) -> None:
         timeout = aiohttp.ClientTimeout(
             sock_connect=self._request_timeout_s, sock_read=self._watch_timeout_s + self._request_timeout_s
@@ -234,7 +297,7 @@ class KubernetesDiscovery:
                 self._apply_event(event, state)
                 if watch.resource_version:
                     state.resource_version = str(watch.resource_version)
-                publisher.publish(state.backends())
+                await publish()
                 backoff.reset()  # the watch made progress: the next break is a fresh one
         if time.monotonic() - started > _STEADY_WATCH_S:
             backoff.reset()  # e.g. the server ended it on schedule (timeoutSeconds)

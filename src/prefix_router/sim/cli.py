@@ -19,6 +19,9 @@ _DEFAULTS = SimConfig()
 # SimConfig field -> (flag, help). Each field's default and its source live in config.py.
 _CONFIG_FLAGS: dict[str, tuple[str, str]] = {
     "model": ("--model", "served model name (vLLM's --served-model-name)"),
+    "adapters": ("--adapters", "LoRA adapter names loaded on every backend, listed with `parent`"),
+    "responses_store": ("--responses-store", "store Responses API results (vLLM's response store)"),
+    "responses_store_max": ("--responses-store-max", "stored responses kept at most"),
     "block_size": ("--block-size", "tokens per KV block"),
     "capacity_blocks": ("--capacity-blocks", "KV cache size in blocks"),
     "max_num_seqs": ("--max-num-seqs", "running requests at most; the rest wait FIFO"),
@@ -47,17 +50,26 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     for field in fields(SimConfig):
         flag, help_text = _CONFIG_FLAGS[field.name]
         default = getattr(_DEFAULTS, field.name)
+        kind: dict[str, object]
+        if isinstance(default, bool):
+            kind = {"action": argparse.BooleanOptionalAction}
+        elif isinstance(default, tuple):
+            kind = {"nargs": "*", "type": str}
+        else:
+            kind = {"type": type(default)}
         parser.add_argument(
             flag,
             dest=field.name,
-            type=type(default),
             default=default,
             help=f"{help_text} (default: %(default)s)",
+            **kind,  # type: ignore[arg-type]
         )
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
-    config = SimConfig(**{field.name: getattr(args, field.name) for field in fields(SimConfig)})
+    values = {field.name: getattr(args, field.name) for field in fields(SimConfig)}
+    values["adapters"] = tuple(values["adapters"])
+    config = SimConfig(**values)
     config.validate()
     return config
 

@@ -22,6 +22,17 @@ class SimConfig:
     model: str = "sim-llama"
     """Served model name, reported by /v1/models and used as the metrics' `model_name` label."""
 
+    adapters: tuple[str, ...] = ()
+    """LoRA adapters loaded on this server (vLLM's `--lora-modules`): listed by /v1/models with
+    `parent` naming `model`, and served like it."""
+
+    responses_store: bool = True
+    """Keep Responses API results in memory (vLLM's VLLM_ENABLE_RESPONSES_API_STORE=1), so
+    `previous_response_id`, GET, DELETE and cancel find them; off: `store` is ignored, as in vLLM."""
+
+    responses_store_max: int = 10_000
+    """Stored responses kept at most, oldest dropped first (vLLM's store is unbounded)."""
+
     block_size: int = 16
     """Tokens per KV block; 16 is vLLM's default `--block-size` on CUDA."""
 
@@ -57,10 +68,18 @@ class SimConfig:
     max_tokens_limit: int = 4096
     """Requested output lengths above this are clamped, so a typo cannot stream for hours."""
 
+    @property
+    def served_models(self) -> frozenset[str]:
+        return frozenset((self.model, *self.adapters))
+
     def validate(self) -> None:
         """Raise ValueError for a config no scheduler could run."""
         if not self.model:
             raise ValueError("model must be a non-empty name")
+        if any(not name or name == self.model for name in self.adapters):
+            raise ValueError("adapters must be non-empty names other than the model's")
+        if self.responses_store_max < 1:
+            raise ValueError("responses_store_max must be at least 1")
         for name in ("block_size", "capacity_blocks", "max_num_seqs", "default_max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")

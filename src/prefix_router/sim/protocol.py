@@ -51,19 +51,29 @@ SSE_DONE = b"data: [DONE]\n\n"
 class RequestRejected(Exception):
     """A request the sim refuses, with the HTTP status vLLM would answer."""
 
-    def __init__(self, message: str, *, status: int = 400, param: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, status: int = 400, param: str | None = None, error_type: str | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
+        self.error_type = error_type
 
     def to_body(self) -> bytes:
-        error_type = "NotFoundError" if self.status == 404 else "BadRequestError"
+        error_type = self.error_type or ("NotFoundError" if self.status == 404 else "BadRequestError")
         return encode_error(self.message, error_type=error_type, status=self.status, param=self.param)
 
 
 def encode_error(message: str, *, error_type: str, status: int, param: str | None = None) -> bytes:
     return orjson.dumps({"error": {"message": message, "type": error_type, "param": param, "code": status}})
+
+
+def check_model(fields: dict[str, Any], config: SimConfig) -> None:
+    """vLLM's 404 for a model (or adapter) the server does not serve."""
+    model = fields.get("model")
+    if model is not None and model not in config.served_models:
+        raise RequestRejected(f"The model `{model}` does not exist.", status=404, param="model")
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,19 +84,24 @@ class GenerationRequest:
     is_stream: bool
     include_usage: bool
     cache_salt: str | None
+    model: str | None = None  # as asked for: the model or one of its adapters
 
 
-def parse_generation_request(endpoint: Endpoint, body: bytes, config: SimConfig) -> GenerationRequest:
-    """Validate a chat or completions body; raises RequestRejected."""
+def parse_body(body: bytes, config: SimConfig) -> dict[str, Any]:
+    """A request body's JSON object, for a model this server serves; raises RequestRejected."""
     try:
         fields = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise RequestRejected(f"request body is not valid JSON: {exc}") from exc
     if not isinstance(fields, dict):
         raise RequestRejected("request body must be a JSON object")
-    model = fields.get("model")
-    if model is not None and model != config.model:
-        raise RequestRejected(f"The model `{model}` does not exist.", status=404, param="model")
+    check_model(fields, config)
+    return fields
+
+
+def parse_generation_request(endpoint: Endpoint, body: bytes, config: SimConfig) -> GenerationRequest:
+    """Validate a chat or completions body; raises RequestRejected."""
+    fields = parse_body(body, config)
     n = fields.get("n", 1)
     if n is not None and n != 1:
         raise RequestRejected("the simulator supports only n=1", param="n")
@@ -100,7 +115,8 @@ def parse_generation_request(endpoint: Endpoint, body: bytes, config: SimConfig)
         max_tokens=_parse_max_tokens(fields, config),
         is_stream=stream,
         include_usage=stream and include_usage,
-        cache_salt=_parse_cache_salt(fields),
+        cache_salt=parse_cache_salt(fields),
+        model=fields.get("model") if isinstance(fields.get("model"), str) else None,
     )
 
 
@@ -158,7 +174,7 @@ def _parse_max_tokens(fields: dict[str, Any], config: SimConfig) -> int:
     return config.default_max_tokens
 
 
-def _parse_cache_salt(fields: dict[str, Any]) -> str | None:
+def parse_cache_salt(fields: dict[str, Any]) -> str | None:
     salt = fields.get("cache_salt")
     if salt is None:
         return None

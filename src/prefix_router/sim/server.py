@@ -1,7 +1,8 @@
 """The HTTP face of one simulated vLLM server (aiohttp.web): OpenAI routes, health, metrics, admin.
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
-GET /metrics, GET /sim/stats, POST /sim/reset. Run it with `handler_cancellation=True` (as
+Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, GET and DELETE
+/v1/responses/{id}, POST /v1/responses/{id}/cancel, GET /v1/models, GET /health, GET /metrics,
+GET /sim/stats, POST /sim/reset. Run it with `handler_cancellation=True` (as
 `SimBackend` does) so a client disconnect cancels the handler and frees the request's slot.
 """
 
@@ -22,9 +23,19 @@ from prefix_router.sim.protocol import (
     RequestRejected,
     ResponseWriter,
     encode_error,
+    filler_token,
     parse_generation_request,
 )
+from prefix_router.sim.responses import (
+    ResponseBuilder,
+    ResponseStore,
+    StoredResponse,
+    output_text,
+    parse_responses_request,
+    replay_events,
+)
 from prefix_router.sim.scheduler import Scheduler
+from prefix_router.sim.tokens import ChatMessage
 
 # Long prompts are the point of prefix caching; aiohttp's 1 MiB default would cut them off.
 MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -40,12 +51,17 @@ class SimServer:
         self.cache = PrefixCache(block_size=config.block_size, capacity_blocks=config.capacity_blocks)
         self.scheduler = Scheduler(config, self.cache)
         self.metrics = SimMetrics(config.model, self.scheduler)
+        self.responses = ResponseStore(config.responses_store_max)
         self._started_at = int(time.time())
 
     def create_app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES)
         app.router.add_post("/v1/chat/completions", self.handle_chat_completions)
         app.router.add_post("/v1/completions", self.handle_completions)
+        app.router.add_post("/v1/responses", self.handle_responses)
+        app.router.add_get("/v1/responses/{response_id}", self.handle_get_response)
+        app.router.add_delete("/v1/responses/{response_id}", self.handle_delete_response)
+        app.router.add_post("/v1/responses/{response_id}/cancel", self.handle_cancel_response)
         app.router.add_get("/v1/models", self.handle_models)
         app.router.add_get("/health", self.handle_health)
         app.router.add_get("/metrics", self.handle_metrics)
@@ -72,6 +88,7 @@ class SimServer:
             "generation_tokens": counters.generation_tokens,
             "kv_cache_usage": scheduler.kv_cache_usage,
             "cached_blocks": self.cache.num_cached_blocks,
+            "stored_responses": len(self.responses),
         }
 
     async def handle_chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -82,19 +99,12 @@ class SimServer:
 
     async def handle_models(self, request: web.Request) -> web.Response:
         model = self.config.model
-        listing = {
-            "object": "list",
-            "data": [
-                {
-                    "id": model,
-                    "object": "model",
-                    "created": self._started_at,
-                    "owned_by": "vllm",
-                    "root": model,
-                }
-            ],
-        }
-        return _json_response(listing)
+        base = {"object": "model", "created": self._started_at, "owned_by": "vllm"}
+        # vLLM lists each loaded LoRA adapter after the base model, with `parent` naming it.
+        data = [{"id": model, **base, "root": model, "parent": None}]
+        for name in self.config.adapters:
+            data.append({"id": name, **base, "root": f"/adapters/{name}", "parent": model})
+        return _json_response({"object": "list", "data": data})
 
     async def handle_health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
@@ -109,6 +119,75 @@ class SimServer:
         self.scheduler.reset()
         return _json_response(self.stats())
 
+    async def handle_responses(self, request: web.Request) -> web.StreamResponse:
+        try:
+            parsed = parse_responses_request(await request.read(), self.config, self.responses)
+            scheduled = self.scheduler.schedule(parsed.prompt, cache_salt=parsed.cache_salt)
+        except RequestRejected as exc:
+            return _rejected(exc)
+        except ValueError as exc:
+            body = encode_error(str(exc), error_type="BadRequestError", status=400, param="input")
+            return web.Response(status=400, body=body, content_type="application/json")
+        builder = ResponseBuilder(parsed)
+        response: web.StreamResponse | None = None
+        if parsed.is_stream:
+            response = web.StreamResponse(headers=_SSE_HEADERS)
+            await response.prepare(request)
+        async with scheduled as running:
+            await running.prefill()
+            if response is not None:
+                await response.write(builder.opening_events() + builder.delta_event(filler_token(0)))
+            for index in range(1, parsed.max_tokens):
+                await running.decode_token()
+                if response is not None:
+                    await response.write(builder.delta_event(filler_token(index)))
+            running.finish()
+            final = builder.response(
+                "completed", output_text(running.num_generated), running.cached_tokens, running.num_generated
+            )
+        if parsed.store:
+            reply = ChatMessage("assistant", final["output"][0]["content"][0]["text"])
+            self.responses.put(builder.id, StoredResponse(final, (*parsed.conversation, reply)))
+        if response is None:
+            return _json_response(final)
+        await response.write(builder.closing_events(final))
+        await response.write_eof()
+        return response
+
+    async def handle_get_response(self, request: web.Request) -> web.StreamResponse:
+        try:
+            stored = self.responses.get(request.match_info["response_id"])
+            after = request.query.get("starting_after")
+            starting_after = int(after) if after is not None else None
+        except RequestRejected as exc:
+            return _rejected(exc)
+        except ValueError:
+            return _rejected(RequestRejected("`starting_after` must be an integer", param="starting_after"))
+        if request.query.get("stream", "false").lower() not in ("true", "1"):
+            return _json_response(stored.body)
+        response = web.StreamResponse(headers=_SSE_HEADERS)
+        await response.prepare(request)
+        for event in replay_events(stored.body, starting_after):
+            await response.write(event)
+        await response.write_eof()
+        return response
+
+    async def handle_delete_response(self, request: web.Request) -> web.Response:
+        response_id = request.match_info["response_id"]
+        try:
+            self.responses.delete(response_id)
+        except RequestRejected as exc:
+            return _rejected(exc)
+        return _json_response({"id": response_id, "object": "response", "deleted": True})
+
+    async def handle_cancel_response(self, request: web.Request) -> web.Response:
+        try:
+            self.responses.get(request.match_info["response_id"])
+        except RequestRejected as exc:
+            return _rejected(exc)
+        # The sim has no background mode, and vLLM cancels only background responses.
+        return _rejected(RequestRejected("Cannot cancel a synchronous response.", param="response_id"))
+
     async def _generate(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         try:
             generation = parse_generation_request(endpoint, await request.read(), self.config)
@@ -118,7 +197,7 @@ class SimServer:
         except ValueError as exc:  # the prompt can never fit the KV cache: vLLM's too-long answer
             body = encode_error(str(exc), error_type="BadRequestError", status=400, param="prompt")
             return web.Response(status=400, body=body, content_type="application/json")
-        writer = ResponseWriter(generation, self.config.model)
+        writer = ResponseWriter(generation, generation.model or self.config.model)
         if generation.is_stream:
             # Headers go out at once, body bytes from the first token on, as vLLM's stream does.
             response = web.StreamResponse(headers=_SSE_HEADERS)
@@ -141,6 +220,10 @@ class SimServer:
             running.finish()
             body = writer.full_response(running.cached_tokens, running.num_generated)
         return web.Response(body=body, content_type="application/json")
+
+
+def _rejected(exc: RequestRejected) -> web.Response:
+    return web.Response(status=exc.status, body=exc.to_body(), content_type="application/json")
 
 
 def _json_response(payload: dict[str, Any]) -> web.Response:
