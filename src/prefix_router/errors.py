@@ -4,7 +4,10 @@ RouterError
 ├── SettingsError          configuration rejected at start-up (exit 2)
 ├── RequestError           the client's request is unacceptable
 │   ├── BodyTooLarge       over server.max_body_bytes
-│   └── BadRequest         malformed framing or a value the router refuses
+│   ├── BadRequest         malformed framing or a value the router refuses
+│   ├── NotImplementedHere a transfer coding the router does not decode (501)
+│   └── VersionNotSupported an HTTP version other than 1.0 and 1.1 on the HTTP/1 port (505)
+├── InternalError          a fault of the router itself (500), never blamed on a backend
 ├── RoutingError           no backend can take the request
 │   ├── NoBackend          no healthy backend at all
 │   └── Overloaded         every candidate at its bound after the bounded wait
@@ -52,6 +55,18 @@ class HeadersTooLarge(RequestError):
 
 
 class ClientDisconnected(RequestError):
+    pass
+
+
+class NotImplementedHere(RequestError):
+    pass
+
+
+class VersionNotSupported(RequestError):
+    pass
+
+
+class InternalError(RouterError):
     pass
 
 

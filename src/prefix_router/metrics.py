@@ -31,6 +31,9 @@ ROUTER_ERROR_CODES = (
     "overloaded",
     "upstream_unavailable",
     "upstream_timeout",
+    "internal_error",
+    "not_implemented",
+    "http_version_not_supported",
     "request_timeout",
 )
 
