@@ -81,7 +81,7 @@ class ListenerLimits:
     body_timeout_s: float
     keepalive_timeout_s: float
     send_timeout_s: float
-    max_buffered_body_bytes: int = 64 * 1024 * 1024
+    max_buffered_body_bytes: int = 48 * 1024 * 1024
     max_connections: int = 16384
     underscores_in_headers: bool = False
     body_budget_wait_s: float = BODY_BUDGET_WAIT_S
@@ -92,7 +92,7 @@ class BodyBudget:
 
     A body is counted from its first byte (its whole declared length at once, so that uploads cannot
     each hold part of the budget and starve together) until its response starts: until then a retry
-    may need it, and the client controls how long that lasts. Waiters are served in arrival order."""
+    may need it, and the client controls how long that lasts. Waiters are woken in arrival order."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -100,7 +100,9 @@ class BodyBudget:
         self._waiters: collections.deque[tuple[HttpProtocol, int]] = collections.deque()
 
     def take(self, n: int) -> bool:
-        if self._waiters or self.used + n > self.limit:
+        # A body that fits goes ahead of larger ones waiting: small requests stay served while big
+        # uploads queue (a waiter's own wait is bounded).
+        if self.used + n > self.limit:
             return False
         self.used += n
         return True

@@ -54,10 +54,12 @@ class ServerSettings(_Section):
     # first and never reuses a connection the router is closing.
     keepalive_timeout_s: float = Field(75.0, gt=0)
     # All request bodies the listener holds at once, from their first byte until their response
-    # starts. 64 MiB: two bodies at max_body_bytes, or hundreds of long-context requests (a 128k-token
-    # prompt is ~0.5 MB of JSON); the process peaks near twice it (each body and the upstream request
-    # carrying it). Over it a request waits up to 2 s for room, then gets 503 + Retry-After.
-    max_buffered_body_bytes: int = Field(64 * 1024 * 1024, gt=0)
+    # starts (a non-streaming request holds its body through its generation). 48 MiB: one body at
+    # max_body_bytes beside many ordinary ones (chat bodies are KBs; a 128k-token prompt is ~0.5 MB of
+    # JSON). The process peaks near twice it (each body and the upstream request carrying it):
+    # benchmarks/listener_memory.py measured +90 MiB under 12 concurrent 30 MiB uploads. Over it a
+    # request waits up to 2 s for room, then gets 503 + Retry-After. Must be >= max_body_bytes.
+    max_buffered_body_bytes: int = Field(48 * 1024 * 1024, gt=0)
     # Open client connections; one more is answered 503 and closed (Envoy's overflow). Above the
     # 10,000 concurrent streams one process is sized for, below common open-file limits.
     max_connections: int = Field(16384, gt=0)
