@@ -729,10 +729,18 @@ class HttpProtocol(asyncio.Protocol):
         transport = self.transport
         if transport is None or transport.is_closing():
             return
-        if not ex.complete or not ex.keep_alive or self.closing:
+        if not ex.complete:
             # An unfinished response (a broken stream) can only be ended by closing: the client sees
             # a truncated body rather than a made-up end.
             transport.close()
+            return
+        if not ex.keep_alive or self.closing:
+            # The last answer on this connection. Whatever the client pipelined after it is read and
+            # dropped while the close lingers: closing on unread input would reset the connection and
+            # the client could lose the answers already sent.
+            self._rejected = True
+            self._refusal = None
+            self._linger()
             return
         self._next()
 

@@ -70,6 +70,7 @@ class RouterServer:
         self.started = False
         self.force_exit = False
         self._exit: asyncio.Event | None = None
+        self.listener: Listener | None = None  # the main port's, once serving (tests look at its state)
 
     @property
     def should_exit(self) -> bool:
@@ -87,6 +88,7 @@ class RouterServer:
         app, s = self.app, self.app.settings.server
         await app.start()
         listener = Listener(app.handle, app.render_error, listener_limits(s), app if s.access_log else None)
+        self.listener = listener
         try:
             if self._sockets:
                 for sock in self._sockets:

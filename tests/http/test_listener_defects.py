@@ -399,17 +399,43 @@ async def test_a_pooled_connection_idle_6_s_then_reused_is_answered(
     fake_backends: MakeBackends, router: MakeRouter
 ) -> None:
     _, r = await started(fake_backends, router)
+
+    async def raw_connection() -> str:
+        async with connection(r.port) as (reader, writer):
+            writer.write(request("GET", "/one"))
+            assert (await read_response(reader)).status == 200
+            await asyncio.sleep(6.0)  # longer than httpx's (and the OpenAI SDK's) 5 s pool expiry
+            writer.write(request("GET", "/two"))
+            return str((await read_response(reader)).json()["path"])
+
+    async def pooled_client() -> str:
+        # a real pooled client that keeps its connection as long
+        async with httpx.AsyncClient(timeout=10, limits=httpx.Limits(keepalive_expiry=30)) as client:
+            assert (await client.get(f"{r.url}/three")).status_code == 200
+            await asyncio.sleep(6.0)
+            second = await client.get(f"{r.url}/four")
+            assert second.status_code == 200
+            return str(json.loads(second.content)["path"])
+
+    assert await asyncio.gather(raw_connection(), pooled_client()) == ["/two", "/four"]
+
+
+async def test_answers_before_a_close_survive_requests_pipelined_after_it(
+    fake_backends: MakeBackends, router: MakeRouter
+) -> None:
+    """Closing with the client's later requests unread would reset the connection, and the client's
+    kernel would drop the answers already sent: the close lingers instead."""
+    backend, r = await started(fake_backends, router)
+    backend.gate = asyncio.Event()  # the answers wait until the client has sent everything
     async with connection(r.port) as (reader, writer):
-        writer.write(request("GET", "/one"))
-        assert (await read_response(reader)).status == 200
-        await asyncio.sleep(6.0)  # longer than httpx's (and the OpenAI SDK's) 5 s pool expiry
-        writer.write(request("GET", "/two"))
-        assert (await read_response(reader)).json()["path"] == "/two"
-    # and a real pooled client keeping its connection as long
-    limits = httpx.Limits(keepalive_expiry=30)
-    async with httpx.AsyncClient(timeout=10, limits=limits) as client:
-        first = await client.get(f"{r.url}/three")
-        await asyncio.sleep(6.0)
-        second = await client.get(f"{r.url}/four")
-    assert first.status_code == second.status_code == 200
-    assert json.loads(second.content)["path"] == "/four"
+        writer.write(request("GET", "/a") + request("GET", "/last", headers={"Connection": "close"}))
+        for _ in range(3):  # reading pauses after the first of these: the rest stays unread
+            await asyncio.sleep(0.1)
+            writer.write(request("GET", "/never") * 50)
+        await asyncio.sleep(0.1)
+        backend.gate.set()
+        await asyncio.sleep(0.5)  # read only once the router is done with the connection
+        assert (await read_response(reader)).json()["path"] == "/a"
+        assert (await read_response(reader)).json()["path"] == "/last"
+        assert await closed_by_peer(reader)
+    assert [s.path for s in backend.seen] == ["/a", "/last"]
