@@ -320,6 +320,7 @@ class HttpProtocol(asyncio.Protocol):
         self._awaiting_budget = False
         self._budget_ex: Exchange | None = None  # a whole request that waits for body budget
         self._expect_continue = False  # a 100 Continue is owed once this request is the current one
+        self._http_11 = False
         self._last_body = 0.0
 
     # -- asyncio.Protocol ------------------------------------------------------------------------
@@ -502,14 +503,26 @@ class HttpProtocol(asyncio.Protocol):
         self._in_head = False
         if self._rejected:
             return
-        error = self._head_error()
+        declared = -1
+        hosts = 0
+        host = b""
+        codings: list[bytes] = []
+        expect = b""
+        for name, value in self._headers:  # one pass: this runs for every request
+            if name == b"content-length":
+                declared = int(value)  # llhttp has checked it: digits only, one value
+            elif name == b"host":
+                hosts += 1
+                host = value
+            elif name == b"transfer-encoding":
+                codings.append(value)
+            elif name == b"expect":
+                expect = value
+        error = self._head_error(hosts, host, codings)
         if error is not None:
             self._reject(error)
             return
-        declared = -1
-        for name, value in self._headers:
-            if name == b"content-length":
-                declared = int(value)  # llhttp has checked it: digits only, one value
+        self._expect_continue = self._http_11 and expect.lower() == b"100-continue"
         limit = self._limits.max_body_bytes
         if declared > limit:
             self._reject(BodyTooLarge(f"request body of {declared} bytes is over the limit of {limit} bytes"))
@@ -525,24 +538,21 @@ class HttpProtocol(asyncio.Protocol):
         elif self._current is None:
             self._disarm()
 
-    def _head_error(self) -> RouterError | None:
+    def _head_error(self, hosts: int, host: bytes, codings: list[bytes]) -> RouterError | None:
         """What RFC 9112 (and nginx, where it leaves room) refuses in a head llhttp accepted."""
         version = self._parser.get_http_version()
-        if version not in ("1.0", "1.1"):
+        self._http_11 = version == "1.1"
+        if not self._http_11 and version != "1.0":
             if version.startswith("0."):
                 return BadRequest("HTTP/0.9 requests are not supported")
             return VersionNotSupported(f"HTTP/{version} is not supported on this port; use HTTP/1.1")
-        hosts = [value for name, value in self._headers if name == b"host"]
-        if version == "1.1" and len(hosts) != 1:
+        if hosts > 1 or (hosts == 0 and self._http_11):
             return BadRequest("an HTTP/1.1 request needs exactly one Host header")
-        if hosts and not _host_ok(hosts[0]):
+        if hosts and not _host_ok(host):
             return BadRequest("invalid Host header")
-        codings = [v for n, v in self._headers if n == b"transfer-encoding"]
-        expect = [v for n, v in self._headers if n == b"expect"]
-        self._expect_continue = version == "1.1" and bool(expect) and expect[0].lower() == b"100-continue"
         if not codings:
             return None
-        if version == "1.0":
+        if not self._http_11:
             # RFC 9112 §6.1: chunked framing from an HTTP/1.0 client cannot be trusted (nginx: 400).
             return BadRequest("Transfer-Encoding in an HTTP/1.0 request")
         tokens = [t.strip().lower() for v in codings for t in v.split(b",")]

@@ -1,9 +1,9 @@
 """Conformance of the main listener, as tables of raw requests and the answers RFC 9112 (and nginx,
 where the RFC leaves room) call for.
 
-The cases are written from RFC 9112 and from public corpora: llhttp's request tests, the HTTP Garden's
-differential cases, and the Transfer-Encoding mutations of smuggling scanners (smuggler, SMUGGLEtest).
-Their payloads are data here; the harness is ours. Every case also checks the invariants that make
+The cases are written from RFC 9112 and from public corpora: llhttp's request tests and the
+Transfer-Encoding mutations of smuggling scanners (smuggler, SMUGGLEtest). Their payloads are data here;
+the harness is ours. Every case also checks the invariants that make
 smuggling impossible whatever the expected answer: nothing reaches the backend that the router did not
 answer (one answer per forwarded request, in order), no request hidden in a body is ever forwarded,
 every refusal is an OpenAI-shaped JSON error followed by a close.
