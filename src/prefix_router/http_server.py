@@ -63,7 +63,7 @@ _LINGER_MAX_BYTES = 64 * 1024 * 1024
 # How long a request whose body does not fit the global body budget waits for room before its 503.
 BODY_BUDGET_WAIT_S = 2.0
 # RFC 3986 host (reg-name, IPv4, IP-literal) and port characters; anything else in Host is refused.
-_HOST_BYTES = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-._~!$&'()*+,;=%:[]")
+_HOST_BYTES = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-._~!$&'()*+,;=%:[]"
 
 
 class FlowControl(Protocol):
@@ -658,7 +658,7 @@ class HttpProtocol(asyncio.Protocol):
             self._url,
             self._headers,
             body,
-            parser.get_http_version() == "1.1",
+            self._http_11,
             parser.should_keep_alive(),
             self._reserved,
         )
@@ -870,7 +870,8 @@ class HttpProtocol(asyncio.Protocol):
 
 
 def _host_ok(host: bytes) -> bool:
-    return bool(host) and all(c in _HOST_BYTES for c in host) and b".." not in host
+    # translate() deletes the allowed bytes in C: anything left over is a byte Host may not hold
+    return bool(host) and not host.translate(None, _HOST_BYTES) and b".." not in host
 
 
 class Listener:
