@@ -3,7 +3,8 @@
 It answers every path. By default it echoes what it received as JSON (its name, method, path, query,
 headers, body), so tests can see exactly what the router forwarded. `mode` makes it misbehave the
 ways real backends do: 503/429, hang before headers, hang mid-stream, reset after N chunks, close
-without answering, answer garbage, drip bytes. Paths under /stream and /hang script one request.
+without answering, answer garbage, drip bytes. Paths under /stream and /hang script one request;
+/status/<code> answers that status with no body.
 """
 
 from __future__ import annotations
@@ -98,6 +99,8 @@ class FakeBackend:
         if mode.startswith("status:"):
             code = int(mode.split(":", 1)[1])
             return web.json_response({"error": {"message": f"{self.name} says {code}"}}, status=code)
+        if path.startswith("/status/"):  # an empty answer with that status (204, 304, ...)
+            return web.Response(status=int(path.rsplit("/", 1)[1]), headers={"x-fake-backend": self.name})
         if mode == "hang":
             await asyncio.Event().wait()
         if mode == "close":

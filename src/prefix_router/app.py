@@ -42,6 +42,9 @@ access_log = logging.getLogger(LOGGER_NAME)
 
 LOCAL_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 MODELS_PATH = "/v1/models"
+# Matched on the path as sent: `/%68ealthz` is the backend's to answer, as nginx's exact `location =`
+# matches the raw URI; a decoded match would answer for a path the client did not write.
+_LOCAL_RAW_PATHS = frozenset(p.encode() for p in LOCAL_PATHS)
 _JSON = b"application/json"
 
 # error class -> (status, OpenAI error type, code). The first match in MRO order wins.
@@ -50,6 +53,8 @@ ERROR_TABLE: dict[type[errors.RouterError], tuple[int, str, str]] = {
     errors.MethodNotAllowed: (405, "invalid_request_error", "bad_request"),
     errors.RequestTimeout: (408, "invalid_request_error", "request_timeout"),
     errors.HeadersTooLarge: (431, "invalid_request_error", "headers_too_large"),
+    errors.NotImplementedHere: (501, "invalid_request_error", "not_implemented"),
+    errors.VersionNotSupported: (505, "invalid_request_error", "http_version_not_supported"),
     errors.BadRequest: (400, "invalid_request_error", "bad_request"),
     errors.ModelNotFound: (404, "invalid_request_error", "model_not_found"),
     errors.ResponseNotFound: (404, "invalid_request_error", "response_not_found"),
@@ -58,7 +63,8 @@ ERROR_TABLE: dict[type[errors.RouterError], tuple[int, str, str]] = {
     errors.FirstByteTimeout: (504, "server_error", "upstream_timeout"),
     errors.UpstreamError: (502, "server_error", "upstream_unavailable"),
     errors.RequestError: (400, "invalid_request_error", "bad_request"),
-    errors.RouterError: (502, "server_error", "upstream_unavailable"),
+    errors.InternalError: (500, "server_error", "internal_error"),
+    errors.RouterError: (500, "server_error", "internal_error"),
 }
 
 
@@ -77,7 +83,7 @@ def error_response_parts(exc: errors.RouterError) -> ResponseParts:
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if isinstance(exc, errors.Overloaded):
         headers.append((b"retry-after", str(exc.retry_after_s).encode()))
-    if status in (400, 405, 408, 413, 431):
+    if status in (400, 405, 408, 413, 431, 501, 505):
         headers.append((b"connection", b"close"))
     return status, headers, body
 
@@ -135,7 +141,7 @@ class RouterApp:
     # -- the main port -------------------------------------------------------------------------
 
     async def handle(self, ex: Exchange) -> None:
-        if ex.path in LOCAL_PATHS:
+        if ex.raw_path in _LOCAL_RAW_PATHS:
             if ex.method in ("GET", "HEAD"):
                 ex.respond(*self.local_answer(ex.path))
             else:

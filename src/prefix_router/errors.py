@@ -6,7 +6,10 @@ RouterError
 │   ├── BodyTooLarge       over server.max_body_bytes
 │   ├── BadRequest         malformed framing or a value the router refuses
 │   ├── ModelNotFound      no backend serves the model asked for
-│   └── ResponseNotFound   a stored response whose backend has left the fleet
+│   ├── ResponseNotFound   a stored response whose backend has left the fleet
+│   ├── NotImplementedHere a transfer coding the router does not decode (501)
+│   └── VersionNotSupported an HTTP version other than 1.0 and 1.1 on the HTTP/1 port (505)
+├── InternalError          a fault of the router itself (500), never blamed on a backend
 ├── RoutingError           no backend can take the request
 │   ├── NoBackend          no healthy backend at all
 │   └── Overloaded         every candidate at its bound after the bounded wait
@@ -62,6 +65,18 @@ class ModelNotFound(RequestError):
 
 
 class ResponseNotFound(RequestError):
+    pass
+
+
+class NotImplementedHere(RequestError):
+    pass
+
+
+class VersionNotSupported(RequestError):
+    pass
+
+
+class InternalError(RouterError):
     pass
 
 

@@ -4,7 +4,10 @@ The data path used uvicorn (ASGI) until measurement showed uvicorn and aiohttp's
 cost of a proxied request (README, "Why our own HTTP/1.1"). A relay needs a small part of a general
 server, so it has its own: request heads and bodies parsed by llhttp, the body read whole (bounded)
 before the handler runs, responses framed by Content-Length, chunked encoding, or close, and the limits
-nginx users expect: head size (431), head and body time (408), body size (413), keep-alive idle time.
+nginx users expect: head size (431, counted as the bytes arrive), head and body time (408), body size
+(413), a global budget for buffered bodies and a connection cap (503), keep-alive idle time. A refusal is
+followed by a lingering close (nginx's): the write side is shut and the rest of the upload read and
+dropped for a bounded time, so the client reads the answer instead of a reset.
 A client that goes away cancels its request's task at once, so the backend stops generating.
 """
 
@@ -27,8 +30,12 @@ from prefix_router.errors import (
     BadRequest,
     BodyTooLarge,
     HeadersTooLarge,
+    InternalError,
+    NotImplementedHere,
+    Overloaded,
     RequestTimeout,
     RouterError,
+    VersionNotSupported,
 )
 from prefix_router.tcp import set_nodelay
 
@@ -48,6 +55,15 @@ class AccessLog(Protocol):
 _REASONS = {s.value: s.phrase.encode() for s in http.HTTPStatus}
 _MAX_QUEUED = 8  # pipelined requests parsed ahead of the one being answered; then reading pauses
 _NONE, _LENGTH, _CHUNKED, _CLOSE = range(4)
+# Lingering close after a refusal (nginx: lingering_time 30 s, lingering_timeout 5 s): the rest of an
+# upload is read and dropped so that the client, still writing, is not reset before it reads the answer.
+_LINGER_TOTAL_S = 30.0
+_LINGER_IDLE_S = 5.0
+_LINGER_MAX_BYTES = 64 * 1024 * 1024
+# How long a request whose body does not fit the global body budget waits for room before its 503.
+BODY_BUDGET_WAIT_S = 2.0
+# RFC 3986 host (reg-name, IPv4, IP-literal) and port characters; anything else in Host is refused.
+_HOST_BYTES = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-._~!$&'()*+,;=%:[]"
 
 
 class FlowControl(Protocol):
@@ -65,6 +81,53 @@ class ListenerLimits:
     body_timeout_s: float
     keepalive_timeout_s: float
     send_timeout_s: float
+    max_buffered_body_bytes: int = 48 * 1024 * 1024
+    max_connections: int = 16384
+    underscores_in_headers: bool = False
+    body_budget_wait_s: float = BODY_BUDGET_WAIT_S
+
+
+class BodyBudget:
+    """The bytes of request bodies the listener holds, over every connection, and who waits for room.
+
+    A body is counted from its first byte (its whole declared length at once, so that uploads cannot
+    each hold part of the budget and starve together) until its response starts: until then a retry
+    may need it, and the client controls how long that lasts. Waiters are woken in arrival order."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._waiters: collections.deque[tuple[HttpProtocol, int]] = collections.deque()
+
+    def take(self, n: int) -> bool:
+        # A body that fits goes ahead of larger ones waiting: small requests stay served while big
+        # uploads queue (a waiter's own wait is bounded).
+        if self.used + n > self.limit:
+            return False
+        self.used += n
+        return True
+
+    def force(self, n: int) -> None:
+        """Count bytes already in memory (a chunked body has no declared length)."""
+        self.used += n
+
+    @property
+    def over(self) -> bool:
+        return self.used > self.limit
+
+    def wait(self, conn: HttpProtocol, n: int) -> None:
+        self._waiters.append((conn, n))
+
+    def forget(self, conn: HttpProtocol) -> None:
+        if any(c is conn for c, _ in self._waiters):
+            self._waiters = collections.deque((c, n) for c, n in self._waiters if c is not conn)
+
+    def release(self, n: int) -> None:
+        self.used -= n
+        while self._waiters and self.used + self._waiters[0][1] <= self.limit:
+            conn, need = self._waiters.popleft()
+            self.used += need
+            conn.budget_granted(need)
 
 
 class Exchange:
@@ -74,6 +137,7 @@ class Exchange:
         "_conn",
         "_head",
         "_mode",
+        "_reserved",
         "backend",
         "body",
         "branch",
@@ -93,6 +157,7 @@ class Exchange:
         "started",
         "status",
         "target",
+        "waiting",
     )
 
     def __init__(
@@ -104,8 +169,11 @@ class Exchange:
         body: bytes,
         http_11: bool,
         keep_alive: bool,
+        reserved: int = 0,
     ) -> None:
         self._conn = conn
+        self._reserved = reserved  # bytes of the body budget this request holds
+        self.waiting = False  # whole, but its body waits for room in the budget
         self.target = url  # as sent: the backend sees exactly this, even a trailing "?"
         raw_path, _, query = url.partition(b"?")
         self.raw_path = raw_path
@@ -134,6 +202,7 @@ class Exchange:
         """Frame the response; its head leaves with the first body bytes, or on flush()."""
         self.started = True
         self.status = status
+        self.release_budget()
         keep_alive = self.keep_alive and not self._conn.closing
         has_length = False
         lines = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b""))]
@@ -164,6 +233,12 @@ class Exchange:
         self.keep_alive = keep_alive
         lines.append(b"\r\n")
         self._head = b"".join(lines)
+
+    def release_budget(self) -> None:
+        """The body is no longer the listener's to hold: its response has started, or it is over."""
+        if self._reserved:
+            self._conn.budget.release(self._reserved)
+            self._reserved = 0
 
     @property
     def writing_paused(self) -> bool:
@@ -213,6 +288,7 @@ class HttpProtocol(asyncio.Protocol):
         self._listener = listener
         self._loop = listener.loop
         self._limits = listener.limits
+        self.budget = listener.budget
         self._parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self.client_ip: str | None = None
@@ -221,19 +297,33 @@ class HttpProtocol(asyncio.Protocol):
         self._current: Exchange | None = None
         self._task: asyncio.Task[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._budget_timer: asyncio.TimerHandle | None = None
         self._stall_timer: asyncio.TimerHandle | None = None
-        self._rejected = False
+        self._rejected = False  # no more requests are parsed on this connection
+        self._refusal: RouterError | None = None  # answered once the requests queued before it are
+        self._lingering = False
+        self._linger_bytes = 0
+        self._linger_until = 0.0
         self._reading = True
         self._paused_writing = False
-        self._upgraded = False
+        self._upgraded = False  # a CONNECT: nothing after it is HTTP
+        self._held = bytearray()  # bytes of a head (or trailer) field not fed yet: no line end seen
         # the request being parsed
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
         self._body: list[bytes] = []
         self._body_size = 0
         self._head_size = 0
+        self._trailer_size = 0
         self._in_head = False
         self._in_body = False
+        self._maybe_trailer = False  # after a chunk-size line and before its data: perhaps trailers
+        self._chunked = False
+        self._reserved = 0  # body budget held by the request being parsed
+        self._awaiting_budget = False
+        self._budget_ex: Exchange | None = None  # a whole request that waits for body budget
+        self._expect_continue = False  # a 100 Continue is owed once this request is the current one
+        self._http_11 = False
         self._last_body = 0.0
 
     # -- asyncio.Protocol ------------------------------------------------------------------------
@@ -243,34 +333,100 @@ class HttpProtocol(asyncio.Protocol):
         set_nodelay(transport)
         peer = transport.get_extra_info("peername")
         self.client_ip = peer[0] if isinstance(peer, tuple) and peer else None
-        self._listener.connections.add(self)
+        connections = self._listener.connections
+        if len(connections) >= self._limits.max_connections:
+            # Envoy's overflow answer: a 503 the client can read, then close; never a silent reset.
+            log.warning("connection from %s refused: %d connections open", self.client_ip, len(connections))
+            self._reject(Overloaded(f"the router holds its maximum of {len(connections)} connections"))
+            return
+        connections.add(self)
         self._arm(self._limits.head_timeout_s, self._idle_timed_out)
 
     def data_received(self, data: bytes) -> None:
         if self._rejected or self._upgraded:
+            self._discard(len(data))
             return
+        if self._in_head or self._maybe_trailer:
+            # A field is complete only at its line end. Bytes without one are held (amortised, and
+            # counted) rather than fed, so the parser's own per-field buffer is copied once per line,
+            # not once per segment, and an endless field meets the head limit as it grows.
+            if b"\n" not in data:
+                self._held += data
+                if self._in_head and self._head_size + len(self._held) > self._limits.max_head_bytes:
+                    self._reject(HeadersTooLarge(f"request head over {self._limits.max_head_bytes} bytes"))
+                elif len(self._held) > self._limits.max_head_bytes:
+                    held, self._held = bytes(self._held), bytearray()
+                    self._feed(held)
+                    if self._maybe_trailer and not self._rejected:
+                        self._reject(HeadersTooLarge("request trailer field too large"))
+                return
+            if self._held:
+                data = bytes(self._held) + data
+                self._held = bytearray()
+        self._feed(data)
+
+    def _feed(self, data: bytes) -> None:
         try:
             self._parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            # WebSocket and h2c upgrades are not proxied; the request itself is answered as HTTP/1.1
-            # (RFC 9110 §7.8 lets a server ignore Upgrade), and the connection closes after it.
-            self._upgraded = True
-            upgrading = self._queue[-1] if self._queue else self._current
-            if upgrading is not None:
-                upgrading.keep_alive = False  # the last request parsed is the one that asked
-            else:
-                self._reject(BadRequest("protocol upgrade without a complete request"))
+        except httptools.HttpParserUpgrade as exc:
+            self._upgrade(data[int(exc.args[0]) :])
         except httptools.HttpParserError as exc:
             if not self._rejected:
                 self._reject(BadRequest(f"malformed HTTP request: {exc}"))
+            return
+        if self._in_head and not self._rejected and not self._headers and self._url:
+            self._check_http09(data)
+
+    def _check_http09(self, data: bytes) -> None:
+        """`GET /x` and a line end: an HTTP/0.9 request, which has no head to wait for. llhttp reports
+        version 0.0 until a header line follows; a 1.x request line sets its version at its line end."""
+        if self._parser.get_http_version() != "0.0" or b"\n" not in data:
+            return
+        if self._url not in data[data.rfind(b"\n") + 1 :]:
+            self._reject(BadRequest("HTTP/0.9 requests are not supported"))
+
+    def _upgrade(self, rest: bytes) -> None:
+        """llhttp stopped at a request offering Upgrade (h2c, websocket). The router never switches
+        protocols (RFC 9110 §7.8 lets a server ignore Upgrade), so the request is parsed again without
+        the offer, body and all, and the connection goes on as HTTP/1.1."""
+        if self._rejected:
+            return
+        method = self._parser.get_method()
+        if method == b"CONNECT":
+            # A tunnel request: answered (refused) as HTTP/1.1; nothing after it is HTTP.
+            self._upgraded = True
+            upgrading = self._queue[-1] if self._queue else self._current
+            if upgrading is not None:
+                upgrading.keep_alive = False
+            else:
+                self._reject(BadRequest("protocol upgrade without a complete request"))
+            return
+        version = self._parser.get_http_version().encode("latin-1")
+        lines = [b"%s %s HTTP/%s\r\n" % (method, self._url, version)]
+        for name, value in self._headers:
+            if name == b"upgrade":
+                continue
+            if name == b"connection":
+                tokens = [t for t in value.split(b",") if t.strip().lower() not in (b"upgrade", b"")]
+                if not tokens:
+                    continue
+                value = b",".join(tokens)
+            lines.append(b"%s: %s\r\n" % (name, value))
+        lines.append(b"\r\n")
+        self._parser = httptools.HttpRequestParser(self)
+        self._feed(b"".join(lines) + rest)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._stop_budget_timer()
         if self._stall_timer is not None:
             self._stall_timer.cancel()
             self._stall_timer = None
         self._listener.connections.discard(self)
         self.closing = True
+        self._drop_parsed_body()
+        for queued in self._queue:
+            queued.release_budget()
         self._queue.clear()
         current = self._current
         if current is not None and not current.complete:
@@ -279,6 +435,11 @@ class HttpProtocol(asyncio.Protocol):
                 self._task.cancel()
         if current is not None and current.flow is not None:
             current.flow.resume_reading()
+
+    def eof_received(self) -> bool | None:
+        if self._lingering and self.transport is not None:
+            self.transport.close()  # the client finished sending: the lingering close is over
+        return None
 
     def pause_writing(self) -> None:
         self._paused_writing = True
@@ -314,7 +475,10 @@ class HttpProtocol(asyncio.Protocol):
         self._body = []
         self._body_size = 0
         self._head_size = 0
+        self._trailer_size = 0
         self._in_head = True
+        self._chunked = False
+        self._expect_continue = False
         if self._current is None:
             self._arm(self._limits.head_timeout_s, self._head_timed_out)
 
@@ -323,9 +487,19 @@ class HttpProtocol(asyncio.Protocol):
         self._count(len(url))
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        size = len(name) + len(value) + 4
         if not self._in_head:
-            return  # a chunked body's trailer field: never a header of the request (nor a tenant)
-        self._count(len(name) + len(value) + 4)
+            # A chunked body's trailer field: counted like a header, never a header of the request.
+            self._trailer_size += size
+            if self._trailer_size > self._limits.max_head_bytes and not self._rejected:
+                self._reject(HeadersTooLarge(f"request trailer over {self._limits.max_head_bytes} bytes"))
+            return
+        self._count(size)
+        if b"_" in name and not self._limits.underscores_in_headers:
+            # nginx's underscores_in_headers off: servers and frameworks that map header names to
+            # CGI-style variables read X_Tenant and X-Tenant as one name, so a client could pass for a
+            # header the router sets or trusts.
+            return
         self._headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
@@ -333,31 +507,129 @@ class HttpProtocol(asyncio.Protocol):
         if self._rejected:
             return
         declared = -1
-        expect = False
-        for name, value in self._headers:
+        hosts = 0
+        host = b""
+        codings: list[bytes] = []
+        expect = b""
+        for name, value in self._headers:  # one pass: this runs for every request
             if name == b"content-length":
-                try:
-                    declared = int(value)
-                except ValueError:
-                    self._reject(BadRequest("invalid Content-Length"))
-                    return
+                declared = int(value)  # llhttp has checked it: digits only, one value
+            elif name == b"host":
+                hosts += 1
+                host = value
+            elif name == b"transfer-encoding":
+                codings.append(value)
             elif name == b"expect":
-                expect = value.lower() == b"100-continue"
+                expect = value
+        error = self._head_error(hosts, host, codings)
+        if error is not None:
+            self._reject(error)
+            return
+        self._expect_continue = self._http_11 and expect.lower() == b"100-continue"
         limit = self._limits.max_body_bytes
         if declared > limit:
             self._reject(BodyTooLarge(f"request body of {declared} bytes is over the limit of {limit} bytes"))
             return
-        if declared != 0 and (declared > 0 or self._has_chunked_body()):
+        if declared > 0 or self._chunked:
             self._in_body = True
             self._last_body = self._loop.time()
-            if self._current is None:
-                self._arm(self._limits.body_timeout_s, self._body_timed_out)
-            if expect and self._current is None and self._parser.get_http_version() == "1.1":
-                self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            if declared > 0 and not self.budget.take(declared):
+                self._wait_for_budget(declared)
+                return
+            self._reserved = max(declared, 0)
+            self._body_may_come()
         elif self._current is None:
             self._disarm()
 
+    def _head_error(self, hosts: int, host: bytes, codings: list[bytes]) -> RouterError | None:
+        """What RFC 9112 (and nginx, where it leaves room) refuses in a head llhttp accepted."""
+        version = self._parser.get_http_version()
+        self._http_11 = version == "1.1"
+        if not self._http_11 and version != "1.0":
+            if version.startswith("0."):
+                return BadRequest("HTTP/0.9 requests are not supported")
+            return VersionNotSupported(f"HTTP/{version} is not supported on this port; use HTTP/1.1")
+        if hosts > 1 or (hosts == 0 and self._http_11):
+            return BadRequest("an HTTP/1.1 request needs exactly one Host header")
+        if hosts and not _host_ok(host):
+            return BadRequest("invalid Host header")
+        if not codings:
+            return None
+        if not self._http_11:
+            # RFC 9112 §6.1: chunked framing from an HTTP/1.0 client cannot be trusted (nginx: 400).
+            return BadRequest("Transfer-Encoding in an HTTP/1.0 request")
+        tokens = [t.strip().lower() for v in codings for t in v.split(b",")]
+        if tokens != [b"chunked"]:
+            return NotImplementedHere("only Transfer-Encoding: chunked is supported for request bodies")
+        self._chunked = True
+        return None
+
+    def _body_may_come(self) -> None:
+        """The body's budget is held: arm its timer, and send the 100 Continue if this is current."""
+        if self._current is None and not self._queue:
+            self._arm(self._limits.body_timeout_s, self._body_timed_out)
+            if self._expect_continue:
+                self._expect_continue = False
+                self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def _wait_for_budget(self, need: int) -> None:
+        self._awaiting_budget = True
+        self.budget.wait(self, need)
+        self._set_reading(False)
+        self._stop_budget_timer()
+        self._budget_timer = self._loop.call_later(self._limits.body_budget_wait_s, self._budget_timed_out)
+
+    def _stop_budget_timer(self) -> None:
+        if self._budget_timer is not None:
+            self._budget_timer.cancel()
+            self._budget_timer = None
+
+    def budget_granted(self, taken: int) -> None:
+        """Called by the budget: `taken` bytes are now held for the body that waited."""
+        self._awaiting_budget = False
+        self._stop_budget_timer()
+        ex, self._budget_ex = self._budget_ex, None
+        if ex is not None:
+            ex.waiting = False
+            ex._reserved += taken
+        else:
+            self._reserved += taken
+        if self.transport is None or self.transport.is_closing():
+            if ex is not None:
+                ex.release_budget()
+            self._drop_parsed_body()
+            return
+        self._set_reading(True)
+        if ex is not None:
+            if self._current is None:
+                self._next()
+        elif self._in_body:
+            self._last_body = self._loop.time()
+            self._body_may_come()
+
+    def _budget_timed_out(self) -> None:
+        self._budget_timer = None
+        if not self._awaiting_budget:
+            return
+        ex, self._budget_ex = self._budget_ex, None
+        if ex is not None:
+            # The refused request and anything pipelined after it leave the queue; what came before
+            # it is still answered, then the 503.
+            while self._queue:
+                dropped = self._queue.pop()
+                dropped.release_budget()
+                if dropped is ex:
+                    break
+        self._reject(Overloaded("the router holds its maximum of buffered request bodies"))
+
+    def on_chunk_header(self) -> None:
+        self._maybe_trailer = True
+
+    def on_chunk_complete(self) -> None:
+        self._maybe_trailer = False
+
     def on_body(self, body: bytes) -> None:
+        self._maybe_trailer = False
         if self._rejected:
             return
         self._body_size += len(body)
@@ -367,43 +639,76 @@ class HttpProtocol(asyncio.Protocol):
             return
         self._body.append(body)
         self._last_body = self._loop.time()
+        if self._chunked:
+            self.budget.force(len(body))
+            self._reserved += len(body)
+            if self.budget.over and not self._awaiting_budget:
+                self._wait_for_budget(0)
 
     def on_message_complete(self) -> None:
+        self._maybe_trailer = False
         if self._rejected:
             return
         self._in_body = False
+        if self._parser.should_upgrade() and self._parser.get_method() != b"CONNECT":
+            return  # parsed again without the offer (_upgrade), body and all
         parser = self._parser
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+        self._body = []
         ex = Exchange(
             self,
             parser.get_method().decode("latin-1"),
             self._url,
             self._headers,
             body,
-            parser.get_http_version() == "1.1",
+            self._http_11,
             parser.should_keep_alive(),
+            self._reserved,
         )
+        self._reserved = 0
         self._queue.append(ex)
+        if self._awaiting_budget:
+            ex.waiting = True  # answered in turn once the budget has room for its body
+            self._budget_ex = ex
         if self._current is None:
             self._next()
-        elif len(self._queue) >= _MAX_QUEUED and self._reading and self.transport is not None:
-            self._reading = False
-            self.transport.pause_reading()
+        elif len(self._queue) >= _MAX_QUEUED:
+            self._set_reading(False)
 
-    def _has_chunked_body(self) -> bool:
-        return any(n == b"transfer-encoding" and b"chunked" in v.lower() for n, v in self._headers)
+    def _set_reading(self, on: bool) -> None:
+        if on != self._reading and self.transport is not None and not self.transport.is_closing():
+            self._reading = on
+            if on:
+                self.transport.resume_reading()
+            else:
+                self.transport.pause_reading()
+
+    def _drop_parsed_body(self) -> None:
+        self._body = []
+        if self._awaiting_budget and self._budget_ex is None:
+            self.budget.forget(self)
+            self._awaiting_budget = False
+        if self._reserved:
+            self.budget.release(self._reserved)
+            self._reserved = 0
 
     # -- one request at a time -------------------------------------------------------------------
 
     def _next(self) -> None:
+        if self._queue and self._queue[0].waiting:
+            return  # its body waits for budget: budget_granted() comes back here
         if not self._queue:
-            if not self._reading and self.transport is not None and not self.closing:
-                self._reading = True
-                self.transport.resume_reading()
+            if self._refusal is not None:
+                self._send_refusal(self._refusal)
+                return
+            if not self._awaiting_budget:
+                self._set_reading(True)
             if self._in_head:
                 self._arm(self._limits.head_timeout_s, self._head_timed_out)
+            elif self._awaiting_budget:
+                self._disarm()  # the budget's own timer bounds the wait
             elif self._in_body:
-                self._arm(self._limits.body_timeout_s, self._body_timed_out)
+                self._body_may_come()  # a pipelined body: its 100 Continue is owed now
             else:
                 self._arm(self._limits.keepalive_timeout_s, self._idle_timed_out)
             return
@@ -423,8 +728,9 @@ class HttpProtocol(asyncio.Protocol):
         except Exception:
             log.exception("unhandled error answering %s %s", ex.method, ex.path)
             if not ex.started and not ex.client_gone:
-                ex.respond(*self._listener.render_error(RouterError("internal error in the router")))
+                ex.respond(*self._listener.render_error(InternalError("internal error in the router")))
         finally:
+            ex.release_budget()
             if access is not None:
                 access.answered(ex, time.perf_counter() - started)
             self._finished(ex)
@@ -436,10 +742,18 @@ class HttpProtocol(asyncio.Protocol):
         transport = self.transport
         if transport is None or transport.is_closing():
             return
-        if not ex.complete or not ex.keep_alive or self.closing:
+        if not ex.complete:
             # An unfinished response (a broken stream) can only be ended by closing: the client sees
             # a truncated body rather than a made-up end.
             transport.close()
+            return
+        if not ex.keep_alive or self.closing:
+            # The last answer on this connection. Whatever the client pipelined after it is read and
+            # dropped while the close lingers: closing on unread input would reset the connection and
+            # the client could lose the answers already sent.
+            self._rejected = True
+            self._refusal = None
+            self._linger()
             return
         self._next()
 
@@ -451,14 +765,22 @@ class HttpProtocol(asyncio.Protocol):
             self._reject(HeadersTooLarge(f"request head over {self._limits.max_head_bytes} bytes"))
 
     def _reject(self, error: RouterError) -> None:
-        """Answer a request the router refuses before it reaches the handler, and close."""
+        """Refuse the request being read: nothing more is parsed on this connection. The requests
+        queued before it are answered first, in order; then the refusal, then a lingering close."""
         self._rejected = True
+        self._held = bytearray()
+        self._in_head = self._in_body = self._maybe_trailer = False
+        self._drop_parsed_body()
         self._disarm()
-        self._queue.clear()
-        if self._current is not None:
-            # Answer the request in flight first; this one can only be refused by closing after it.
-            self._current.keep_alive = False
+        self._stop_budget_timer()
+        if self._current is not None or self._queue:
+            self._refusal = error
+            self._set_reading(False)  # resumed, to linger, once the refusal is sent
             return
+        self._send_refusal(error)
+
+    def _send_refusal(self, error: RouterError) -> None:
+        self._refusal = None
         status, headers, body = self._listener.render_error(error)
         if self._listener.access_log is not None:
             self._listener.access_log.refused(self.client_ip, self._url, status)
@@ -466,6 +788,36 @@ class HttpProtocol(asyncio.Protocol):
         head += [b"%s: %s\r\n" % (n, v) for n, v in headers if n != b"connection"]
         head.append(b"connection: close\r\n\r\n")
         self.write(b"".join(head) + body)
+        self._linger()
+
+    def _linger(self) -> None:
+        """Shut the write side after the answer, then read and drop what the client still sends, for
+        a bounded time and number of bytes (nginx's lingering close): closing with unread input would
+        reset the connection, and the client's kernel would discard the answer before it is read."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        if not transport.can_write_eof():
+            transport.close()
+            return
+        transport.write_eof()
+        self._lingering = True
+        self._linger_until = self._loop.time() + _LINGER_TOTAL_S
+        self._set_reading(True)
+        self._arm(_LINGER_IDLE_S, self._linger_over)
+
+    def _discard(self, n: int) -> None:
+        if not self._lingering:
+            return  # a refusal waits behind queued requests (reading is paused), or a CONNECT tail
+        self._linger_bytes += n
+        if self._linger_bytes > _LINGER_MAX_BYTES or self._loop.time() > self._linger_until:
+            self._linger_over()
+        else:
+            left = max(0.0, self._linger_until - self._loop.time())
+            self._arm(min(_LINGER_IDLE_S, left), self._linger_over)
+
+    def _linger_over(self) -> None:
+        self._timer = None
         if self.transport is not None:
             self.transport.close()
 
@@ -500,7 +852,7 @@ class HttpProtocol(asyncio.Protocol):
 
     def _body_timed_out(self) -> None:
         self._timer = None
-        if not self._in_body:
+        if not self._in_body or self._awaiting_budget:
             return
         left = self._last_body + self._limits.body_timeout_s - self._loop.time()
         if left > 0:
@@ -511,13 +863,18 @@ class HttpProtocol(asyncio.Protocol):
     @property
     def busy(self) -> bool:
         """A request is being answered, queued, or its body is still arriving."""
-        return self._current is not None or bool(self._queue) or self._in_body
+        return self._current is not None or bool(self._queue) or self._in_body or self._awaiting_budget
 
     def shut_down(self) -> None:
         """Stop after the current response; an idle connection closes now."""
         self.closing = True
         if not self.busy and self.transport is not None:
             self.transport.close()
+
+
+def _host_ok(host: bytes) -> bool:
+    # translate() deletes the allowed bytes in C: anything left over is a byte Host may not hold
+    return bool(host) and not host.translate(None, _HOST_BYTES) and b".." not in host
 
 
 class Listener:
@@ -536,6 +893,7 @@ class Listener:
         self.limits = limits
         self.loop = asyncio.get_running_loop()
         self.connections: set[HttpProtocol] = set()
+        self.budget = BodyBudget(limits.max_buffered_body_bytes)
         self._servers: list[asyncio.Server] = []
 
     async def listen(

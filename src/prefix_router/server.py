@@ -21,7 +21,6 @@ from prefix_router.http_server import Listener, ListenerLimits
 from prefix_router.settings import ServerSettings
 
 log = logging.getLogger("prefix_router")
-KEEPALIVE_TIMEOUT_S = 5.0  # uvicorn's and vLLM's: an idle client connection closes after it
 
 
 class SideServer(uvicorn.Server):
@@ -42,7 +41,7 @@ def side_config(asgi: Any, s: ServerSettings, host: str, port: int) -> uvicorn.C
         access_log=False,
         log_level=s.log_level,
         timeout_graceful_shutdown=1,
-        timeout_keep_alive=int(KEEPALIVE_TIMEOUT_S),
+        timeout_keep_alive=int(s.keepalive_timeout_s),
         server_header=False,
         proxy_headers=False,
     )
@@ -55,7 +54,10 @@ def listener_limits(s: ServerSettings) -> ListenerLimits:
         max_body_bytes=s.max_body_bytes,
         body_timeout_s=s.body_timeout_s,
         send_timeout_s=s.send_timeout_s,
-        keepalive_timeout_s=KEEPALIVE_TIMEOUT_S,
+        keepalive_timeout_s=s.keepalive_timeout_s,
+        max_buffered_body_bytes=s.max_buffered_body_bytes,
+        max_connections=s.max_connections,
+        underscores_in_headers=s.underscores_in_headers,
     )
 
 
@@ -68,6 +70,7 @@ class RouterServer:
         self.started = False
         self.force_exit = False
         self._exit: asyncio.Event | None = None
+        self.listener: Listener | None = None  # the main port's, once serving (tests look at its state)
 
     @property
     def should_exit(self) -> bool:
@@ -85,6 +88,7 @@ class RouterServer:
         app, s = self.app, self.app.settings.server
         await app.start()
         listener = Listener(app.handle, app.render_error, listener_limits(s), app.access_log)
+        self.listener = listener
         try:
             if self._sockets:
                 for sock in self._sockets:

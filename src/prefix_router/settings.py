@@ -49,6 +49,23 @@ class ServerSettings(_Section):
     # A client that takes nothing of a response for this long is disconnected, and its backend
     # request cancelled with it (nginx's send_timeout): a stalled reader must not hold a GPU slot.
     send_timeout_s: float = Field(60.0, gt=0)
+    # An idle kept-alive client connection closes after this. nginx's 75 s: longer than the pools of
+    # common clients (httpx and so the OpenAI SDK expire theirs at 5 s), so the client always closes
+    # first and never reuses a connection the router is closing.
+    keepalive_timeout_s: float = Field(75.0, gt=0)
+    # All request bodies the listener holds at once, from their first byte until their response
+    # starts (a non-streaming request holds its body through its generation). 48 MiB: one body at
+    # max_body_bytes beside many ordinary ones (chat bodies are KBs; a 128k-token prompt is ~0.5 MB of
+    # JSON). The process peaks near twice it (each body and the upstream request carrying it):
+    # benchmarks/listener_memory.py measured +90 MiB under 12 concurrent 30 MiB uploads. Over it a
+    # request waits up to 2 s for room, then gets 503 + Retry-After. Must be >= max_body_bytes.
+    max_buffered_body_bytes: int = Field(48 * 1024 * 1024, gt=0)
+    # Open client connections; one more is answered 503 and closed (Envoy's overflow). Above the
+    # 10,000 concurrent streams one process is sized for, below common open-file limits.
+    max_connections: int = Field(16384, gt=0)
+    # nginx's underscores_in_headers (off): header names with "_" are dropped, because backends that
+    # map names to CGI-style variables read X_Tenant as X-Tenant.
+    underscores_in_headers: bool = False
     access_log: bool = False  # one JSON line per request on logger prefix_router.access (INFO)
     # Also log /healthz, /readyz and /metrics: off, as probes and scrapes would be most of the lines.
     access_log_probes: bool = False
@@ -61,6 +78,12 @@ class ServerSettings(_Section):
     admin_token: SecretStr | None = None  # when set, admin calls need `Authorization: Bearer <token>`
     drain_timeout_s: float = Field(30.0, ge=0)  # SIGTERM: how long in-flight streams may finish
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @model_validator(mode="after")
+    def _check_body_budget(self) -> ServerSettings:
+        if self.max_buffered_body_bytes < self.max_body_bytes:
+            raise ValueError("server.max_buffered_body_bytes must be at least server.max_body_bytes")
+        return self
 
 
 class BackendSettings(_Section):

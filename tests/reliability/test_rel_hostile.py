@@ -141,7 +141,8 @@ async def test_no_open_proxy_decoy_sees_zero_connections(fake_backends, router) 
     )
     await asyncio.sleep(0.2)
     assert decoy.connections == 0
-    assert len(backends[0].seen) >= len(attempts) - 2  # the rest were answered by the backend or refused
+    # the absolute URIs, the CONNECT and the request without Host (400) are refused; the rest reach it
+    assert len(backends[0].seen) >= len(attempts) - 3
     assert decoy.server is not None
     decoy.server.close()
 

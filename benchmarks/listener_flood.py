@@ -1,0 +1,95 @@
+"""Other clients' /healthz latency while clients flood the router with header fields that never end.
+
+`--flooders` clients (4) each open a connection, send a request line and `X-Flood: ` and then 1 KiB of
+`a` after 1 KiB, never a line end, until the router answers; then again on a new connection. Meanwhile
+one client sends `GET /healthz` every 10 ms on a kept-alive connection (`--probes` of them). Reported:
+/healthz p50/p99/max, and how the flood connections were answered (431 expected). The router runs as its
+own process with default settings, in front of the sink backend of listener_memory.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import listener_memory as lm
+from _common import free_port, markdown_table, package_version, print_header, write_results
+
+
+async def flooder(port: int, answers: Counter[str]) -> None:
+    while True:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /x HTTP/1.1\r\nHost: x\r\nX-Flood: ")
+        answer = asyncio.ensure_future(reader.read(12))
+        try:
+            while not answer.done():
+                writer.write(b"a" * 1024)
+                await writer.drain()
+                await asyncio.sleep(0)
+            got = await answer
+            answers[got[9:12].decode() or "closed"] += 1
+        except ConnectionError:
+            answers["reset"] += 1
+        writer.close()
+
+
+async def run(port: int, flooders: int, probes: int) -> dict[str, object]:
+    answers: Counter[str] = Counter()
+    tasks = [asyncio.ensure_future(flooder(port, answers)) for _ in range(flooders)]
+    await asyncio.sleep(0.5)
+    latencies = []
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    for _ in range(probes):
+        t0 = time.perf_counter()
+        writer.write(b"GET /healthz HTTP/1.1\r\nhost: bench\r\n\r\n")
+        status, _ = await lm.read_status(reader)
+        assert status == 200
+        latencies.append(time.perf_counter() - t0)
+        await asyncio.sleep(0.01)
+    writer.close()
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    latencies.sort()
+    return {
+        "flooders": flooders,
+        "healthz_probes": probes,
+        "healthz_p50_ms": round(latencies[len(latencies) // 2] * 1000, 2),
+        "healthz_p99_ms": round(latencies[int(0.99 * (len(latencies) - 1))] * 1000, 2),
+        "healthz_max_ms": round(latencies[-1] * 1000, 2),
+        "flood_answers": dict(answers),
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--flooders", type=int, default=4)
+    p.add_argument("--probes", type=int, default=300)
+    args = p.parse_args()
+    meta = print_header("Listener under a header flood", {"prefix-router": package_version("prefix-router")})
+    backend_port, port, metrics_port = free_port(), free_port(), free_port()
+    backend = subprocess.Popen(
+        [sys.executable, lm.__file__, "--backend", str(backend_port)], stdout=subprocess.PIPE
+    )
+    assert backend.stdout is not None
+    backend.stdout.readline()
+    router = lm.start_router(backend_port, port, metrics_port, None)
+    try:
+        result = asyncio.run(run(port, args.flooders, args.probes))
+    finally:
+        router.terminate()
+        backend.terminate()
+        router.wait(10)
+        backend.wait(10)
+    print(markdown_table(["figure", "value"], list(result.items())))
+    path = write_results("listener_flood", {**meta, **result})
+    print(f"\nresults: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
