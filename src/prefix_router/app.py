@@ -33,6 +33,7 @@ from prefix_router.metrics import BackendStatus, FleetSnapshot, RouterMetrics
 from prefix_router.proxy import Proxy
 from prefix_router.routing.picker import Picker
 from prefix_router.settings import Settings, normalise_backend_url
+from prefix_router.shared_state import SharedPlacement
 from prefix_router.upstream import Upstream
 
 log = logging.getLogger("prefix_router")
@@ -102,7 +103,17 @@ class RouterApp:
         self.picker = Picker(settings.balance_config(), rng)
         self.upstream = Upstream(settings.upstream)
         self.metrics = RouterMetrics(self.registry, self.snapshot)
-        self.proxy = Proxy(settings, self.backends, self.picker, self.upstream, self.metrics, rng)
+        # Replicas share placements through the store for our policy's index and ledgers only.
+        self.shared: SharedPlacement | None = None
+        if settings.routing.shared_state_url and self.picker.ledgers is not None:
+            self.shared = SharedPlacement(
+                settings.routing.shared_state_url, settings.routing.shared_state_timeout_s, self.registry
+            )
+        elif settings.routing.shared_state_url:
+            log.warning("routing.shared_state_url is ignored: it serves the prefix policy with its index")
+        self.proxy = Proxy(
+            settings, self.backends, self.picker, self.upstream, self.metrics, rng, shared=self.shared
+        )
         self.draining = False
         self.access_log: JsonAccessLog | None = None
         if settings.server.access_log:
@@ -184,6 +195,8 @@ class RouterApp:
                 timeout_s=self.settings.health.timeout_s,
             )
             self._spawn(capacity.run(), "kv_capacity")
+        if self.shared is not None:
+            self._spawn(self.shared.run(), "shared_state")
         if self.settings.load_signal.enabled:
             scraper = LoadSignalScraper(
                 self.settings.load_signal, self.backends, self.upstream, self.proxy.capacity_changed
@@ -197,6 +210,8 @@ class RouterApp:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks.clear()
+        if self.shared is not None:
+            await self.shared.close()
         await self.upstream.close()
 
     def _spawn(self, coro: Any, name: str) -> None:
