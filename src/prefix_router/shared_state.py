@@ -9,8 +9,8 @@ one log line, calls stop until a background ping gets an answer again, and one l
 
 Keys, under NAMESPACE: `o:<block>` the block's owner; per backend `lru:<backend>` (a sorted set of
 blocks by the shared clock's reading of their last use), `size:<backend>` (bytes of each block);
-`used` and `cap` (hashes by backend: bytes placed, capacity); `clock`. Scripts touch keys they
-derive, so the store must be one Redis/Valkey (not a cluster).
+`used`, `count` and `cap` (hashes by backend: bytes placed, entries, capacity); `clock`. Scripts
+touch keys they derive, so the store must be one Redis (6.2 or later) or Valkey, not a cluster.
 """
 
 from __future__ import annotations
@@ -44,19 +44,32 @@ MAX_CONNECTIONS = 64  # to the store, per replica; a request waits for one withi
 # recently used blocks while it holds more than its capacity, dropping the owners that name it.
 _RECORD = """
 local ns = ARGV[1]
+-- Lists travel as one newline-joined argument each: 3 arguments for 30 blocks rather than 60 (the
+-- client encodes each argument; redis-py's cost per argument is most of a claim's client time).
+local function split(packed)
+  local out = {}
+  for item in string.gmatch(packed, '[^\\n]+') do out[#out + 1] = item end
+  return out
+end
 local function record(backend, cap, max_entries, blocks, sizes)
   local n = #blocks
   local lru = ns .. 'lru:' .. backend
   local sz = ns .. 'size:' .. backend
   local now = redis.call('INCRBY', ns .. 'clock', n)
-  local added = 0
+  local known = redis.call('ZMSCORE', lru, unpack(blocks))
+  local scored, fresh, added = {}, {}, 0
   for i = 1, n do
-    redis.call('ZADD', lru, now - i + 1, blocks[i])
-    if redis.call('HSETNX', sz, blocks[i], sizes[i]) == 1 then
+    scored[2 * i - 1] = now - i + 1
+    scored[2 * i] = blocks[i]
+    if not known[i] then
+      fresh[#fresh + 1] = blocks[i]
+      fresh[#fresh + 1] = sizes[i]
       added = added + tonumber(sizes[i])
     end
   end
-  local used = redis.call('HINCRBY', ns .. 'used', backend, added)
+  redis.call('ZADD', lru, unpack(scored))
+  if #fresh > 0 then redis.call('HSET', sz, unpack(fresh)) end
+  local used = tonumber(redis.call('HGET', ns .. 'used', backend) or '0') + added
   local count = redis.call('ZCARD', lru)
   while count > 1 and (used > cap or count > max_entries) do
     local popped = redis.call('ZPOPMIN', lru)
@@ -70,28 +83,26 @@ local function record(backend, cap, max_entries, blocks, sizes)
     end
   end
   redis.call('HSET', ns .. 'used', backend, used)
+  redis.call('HSET', ns .. 'count', backend, count)
 end
 local function capacity_of(backend)
   return tonumber(redis.call('HGET', ns .. 'cap', backend) or '') or 1099511627776
 end
 """
 
-# ARGV: namespace, proposed backend, its capacity (bytes), max entries, follow table, n blocks,
-# m listed backends, the n blocks, their n sizes, the m listed backends.
+# ARGV: namespace, proposed backend, its capacity (bytes), max entries, follow table, the blocks,
+# their sizes, the listed backends. The reply is one newline-joined string: chosen, depth, followed,
+# then bytes used, oldest use and entries of each listed backend.
 CLAIM_SCRIPT = (
     _RECORD
     + """
 local proposed = ARGV[2]
 local max_entries = tonumber(ARGV[4])
 local follow = ARGV[5]
-local n = tonumber(ARGV[6])
-local m = tonumber(ARGV[7])
-local blocks, sizes, owner_keys = {}, {}, {}
-for i = 1, n do
-  blocks[i] = ARGV[7 + i]
-  sizes[i] = ARGV[7 + n + i]
-  owner_keys[i] = ns .. 'o:' .. blocks[i]
-end
+local blocks, sizes, listed = split(ARGV[6]), split(ARGV[7]), split(ARGV[8])
+local n, m = #blocks, #listed
+local owner_keys = {}
+for i = 1, n do owner_keys[i] = ns .. 'o:' .. blocks[i] end
 redis.call('HSET', ns .. 'cap', proposed, ARGV[3])
 local owners = redis.call('MGET', unpack(owner_keys))
 local depth = 0
@@ -102,37 +113,45 @@ local chosen, followed = proposed, 0
 if depth > 0 and string.sub(follow, depth, depth) == '1' then
   chosen, followed = owners[depth], 1
 end
+local unowned = {}
 for i = 1, n do
-  if not owners[i] then redis.call('SET', owner_keys[i], chosen, 'NX') end
+  if not owners[i] then
+    unowned[#unowned + 1] = owner_keys[i]
+    unowned[#unowned + 1] = chosen
+  end
 end
+if #unowned > 0 then redis.call('MSET', unpack(unowned)) end
 record(chosen, capacity_of(chosen), max_entries, blocks, sizes)
 local reply = {chosen, depth, followed}
-for j = 1, m do
-  local backend = ARGV[7 + 2 * n + j]
-  local oldest = redis.call('ZRANGE', ns .. 'lru:' .. backend, 0, 0, 'WITHSCORES')
-  reply[#reply + 1] = tonumber(redis.call('HGET', ns .. 'used', backend) or '0')
-  reply[#reply + 1] = oldest[2] and tonumber(oldest[2]) or -1
-  reply[#reply + 1] = redis.call('ZCARD', ns .. 'lru:' .. backend)
+if m > 0 then
+  local used = redis.call('HMGET', ns .. 'used', unpack(listed))
+  local counts = redis.call('HMGET', ns .. 'count', unpack(listed))
+  for j = 1, m do
+    local count = tonumber(counts[j] or '0') or 0
+    local oldest = -1
+    if count > 0 then
+      oldest = tonumber(redis.call('ZRANGE', ns .. 'lru:' .. listed[j], 0, 0, 'WITHSCORES')[2])
+    end
+    reply[#reply + 1] = tonumber(used[j] or '0') or 0
+    reply[#reply + 1] = oldest
+    reply[#reply + 1] = count
+  end
 end
-return reply
+return table.concat(reply, '\\n')
 """
 )
 
-# ARGV: namespace, source, target, target's capacity, max entries, after, n blocks, the n blocks,
-# their n sizes. Blocks past `after` that `source` owns move to `target`, out of the source's
-# footprint; the target's footprint gets every block of the request.
+# ARGV: namespace, source, target, target's capacity, max entries, after, the blocks, their sizes.
+# Blocks past `after` that `source` owns move to `target`, out of the source's footprint; the
+# target's footprint gets every block of the request.
 TAKEOVER_SCRIPT = (
     _RECORD
     + """
 local source, target = ARGV[2], ARGV[3]
 local max_entries = tonumber(ARGV[5])
 local after = tonumber(ARGV[6])
-local n = tonumber(ARGV[7])
-local blocks, sizes = {}, {}
-for i = 1, n do
-  blocks[i] = ARGV[7 + i]
-  sizes[i] = ARGV[7 + n + i]
-end
+local blocks, sizes = split(ARGV[7]), split(ARGV[8])
+local n = #blocks
 redis.call('HSET', ns .. 'cap', target, ARGV[4])
 local freed = 0
 for i = after + 1, n do
@@ -145,7 +164,10 @@ for i = after + 1, n do
     end
   end
 end
-if freed > 0 then redis.call('HINCRBY', ns .. 'used', source, -freed) end
+if freed > 0 then
+  redis.call('HINCRBY', ns .. 'used', source, -freed)
+  redis.call('HSET', ns .. 'count', source, redis.call('ZCARD', ns .. 'lru:' .. source))
+end
 record(target, tonumber(ARGV[4]), max_entries, blocks, sizes)
 return 1
 """
@@ -242,18 +264,15 @@ class SharedPlacement:
         """The store's answer, or None (down, slow or wrong: the caller keeps its local decision)."""
         if not self._up:
             return None
-        n = len(request.blocks)
         args: list[str | int] = [
             self._namespace,
             request.proposed,
             int(request.capacity_bytes),
             self._max_entries,
             request.follow,
-            n,
-            len(request.listed),
-            *map(str, request.blocks),
-            *request.sizes,
-            *request.listed,
+            "\n".join(map(str, request.blocks)),
+            "\n".join(map(str, request.sizes)),
+            "\n".join(request.listed),
         ]
         try:
             async with asyncio.timeout(self._timeout_s):
@@ -276,9 +295,8 @@ class SharedPlacement:
             int(target_capacity_bytes),
             self._max_entries,
             takeover.after,
-            len(request.blocks),
-            *map(str, request.blocks),
-            *request.sizes,
+            "\n".join(map(str, request.blocks)),
+            "\n".join(map(str, request.sizes)),
         ]
         task = asyncio.get_running_loop().create_task(self._write_takeover(args))
         self._pending.add(task)

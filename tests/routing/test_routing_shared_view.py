@@ -94,19 +94,20 @@ def test_the_answer_becomes_the_decision(
 @pytest.mark.parametrize(
     "reply",
     [
-        pytest.param([b"X", 1, 0], id="too-short"),
-        pytest.param([None, 1, 0, 1, 2, 3], id="no-backend"),
-        pytest.param([b"X", 1, 0, [1], 2, 3], id="not-a-number"),
+        pytest.param(b"X\n1\n0", id="too-short"),
+        pytest.param(b"\n1\n0\n1\n2\n3", id="no-backend"),
+        pytest.param(b"X\n1\n0\nmany\n2\n3", id="not-a-number"),
+        pytest.param([b"X", 1, 0, 1, 2, 3], id="not-a-string"),
     ],
 )
-def test_a_malformed_reply_is_refused(reply: list[object]) -> None:
+def test_a_malformed_reply_is_refused(reply: object) -> None:
     with pytest.raises(ValueError):
         parse_answer(reply, ["A"])
 
 
 def test_a_reply_parses() -> None:
-    parsed = parse_answer([b"X", 2, 1, 300, 17, 3, b"0", b"-1", b"0"], ["A", "B"])
-    assert parsed == ClaimAnswer("X", 2, True, (("A", 300, 17, 3), ("B", 0, -1, 0)))
+    parsed = parse_answer(b"http://x:1\n2\n1\n300\n17\n3\n0\n-1\n0", ["A", "B"])
+    assert parsed == ClaimAnswer("http://x:1", 2, True, (("A", 300, 17, 3), ("B", 0, -1, 0)))
 
 
 def test_shared_footprints_rank_backends_over_what_this_replica_placed() -> None:

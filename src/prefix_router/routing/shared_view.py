@@ -91,26 +91,19 @@ def resolve(
     return Resolution(local, Takeover(chosen, local.backend_id, after))
 
 
-def parse_answer(reply: Sequence[object], listed: Sequence[str]) -> ClaimAnswer:
-    """The claim script's reply: [chosen, depth, followed, then used, oldest, entries per listed
-    backend]. Raises ValueError when it is not that shape."""
-    if len(reply) != 3 + 3 * len(listed):
-        raise ValueError(f"claim reply has {len(reply)} items for {len(listed)} backends")
-    chosen = reply[0]
-    if isinstance(chosen, bytes):
-        chosen = chosen.decode()
-    if not isinstance(chosen, str):
-        raise ValueError("claim reply names no backend")
+def parse_answer(reply: object, listed: Sequence[str]) -> ClaimAnswer:
+    """The claim script's reply, one newline-joined string: chosen, depth, followed, then bytes used,
+    oldest use and entries of each listed backend. Raises ValueError when it is not that shape."""
+    if isinstance(reply, bytes):
+        reply = reply.decode("utf-8", "surrogateescape")
+    if not isinstance(reply, str):
+        raise ValueError(f"claim reply is {type(reply).__name__}, not a string")
+    items = reply.split("\n")
+    if len(items) != 3 + 3 * len(listed) or not items[0]:
+        raise ValueError(f"claim reply has {len(items)} items for {len(listed)} backends")
+    numbers = [int(item) for item in items[1:]]  # ValueError on anything else
     figures = tuple(
-        (backend, _int(reply[3 + 3 * i]), _int(reply[4 + 3 * i]), _int(reply[5 + 3 * i]))
+        (backend, numbers[2 + 3 * i], numbers[3 + 3 * i], numbers[4 + 3 * i])
         for i, backend in enumerate(listed)
     )
-    return ClaimAnswer(chosen, _int(reply[1]), _int(reply[2]) == 1, figures)
-
-
-def _int(value: object) -> int:
-    if isinstance(value, int):
-        return value
-    if isinstance(value, bytes | str):
-        return int(value)
-    raise ValueError(f"claim reply holds {type(value).__name__}, not a number")
+    return ClaimAnswer(items[0], numbers[0], numbers[1] == 1, figures)
