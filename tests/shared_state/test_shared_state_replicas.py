@@ -85,6 +85,15 @@ async def test_groups_sharing_a_system_prompt_stay_on_one_backend_across_routers
         placements.setdefault(group, set()).add(await _send(client, routers[i % 3], messages))
     assert all(len(where) == 1 for where in placements.values()), placements
     assert len(set.union(*placements.values())) > 1
+    # One round trip a request: one script call each (a router's first also loads the script; the
+    # commands the scripts run are counted under their own names).
+    probe = Redis.from_url(redis_server.url, decode_responses=True)
+    try:
+        stats = await probe.info("commandstats")
+    finally:
+        await probe.aclose()
+    evalsha = stats["cmdstat_evalsha"]
+    assert evalsha["calls"] - evalsha["failed_calls"] == 60
 
 
 async def test_redis_killed_mid_run_costs_no_request_and_is_used_again_when_back(
@@ -125,3 +134,24 @@ async def test_redis_killed_mid_run_costs_no_request_and_is_used_again_when_back
         assert await probe.dbsize() > 0  # the new groups were claimed in the new server
     finally:
         await probe.aclose()
+
+
+async def test_a_backend_one_router_cannot_use_hands_its_prefixes_to_where_that_router_sent_them(
+    fake_backends: Any, router: Any, client: httpx.AsyncClient, redis_server: RedisServer
+) -> None:
+    backends = await fake_backends(3)
+    first, second = await _routers(router, backends, redis_server.url, n=2)
+
+    def group(i: int) -> list[dict[str, str]]:
+        return [{"role": "system", "content": _system(1, 2000)}, {"role": "user", "content": f"question {i}"}]
+
+    owner = await _send(client, first, group(0))
+    assert second.app.backends.drain(owner)  # the second router may no longer send there
+    moved = await _send(client, second, group(1))
+    assert moved != owner
+    # The take-over is written in the background; then the first router, which could still use the
+    # old owner, follows the prefix to where it went.
+    for i in range(2, 200):
+        if await _send(client, first, group(i)) == moved:
+            break
+        assert i < 50, "the first router never followed the take-over"
