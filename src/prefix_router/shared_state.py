@@ -218,6 +218,7 @@ class SharedPlacement:
         self._up = False
         self._timeouts = 0
         self._said: bool | None = None  # the state the last log line announced
+        self._reply_said = False
         self._pending: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
         self.errors = Counter(
@@ -320,6 +321,13 @@ class SharedPlacement:
 
     def _failed(self, exc: BaseException) -> None:
         reason = self._count(exc)
+        if reason == "reply":
+            # The store answered, but not as the script should (an old server, a full memory): that
+            # request routes locally; said once, as it would be said again for every request.
+            if not self._reply_said:
+                self._reply_said = True
+                log.warning("shared placement state answered with an error (%s: %s)", type(exc).__name__, exc)
+            return
         if reason == "timeout":
             self._timeouts += 1
             if self._timeouts < TIMEOUTS_TO_DOWN:

@@ -206,3 +206,17 @@ async def test_a_slow_store_times_out_and_the_caller_routes_locally(store: Any, 
     assert _errors(shared, "timeout") == 1
     assert shared.up  # one slow reply is that request's, not an outage
     await busy
+
+
+async def test_a_wrong_reply_is_counted_and_said_once_without_calling_the_store_down(
+    store: Any, raw: Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="prefix_router.shared_state")
+    shared = await store()
+    await raw.set(f"{NAMESPACE}clock", "not a number")  # INCRBY in the script now fails
+    for _ in range(3):
+        assert await shared.claim(claim([1], "X")) is None
+    assert _errors(shared, "reply") == 3
+    assert shared.up
+    assert len([r for r in caplog.records if "answered with an error" in r.getMessage()]) == 1
+    assert not [r for r in caplog.records if "is down" in r.getMessage()]
