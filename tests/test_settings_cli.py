@@ -58,6 +58,14 @@ def test_config_file_from_environment(tmp_path: Path, monkeypatch: pytest.Monkey
         pytest.param({"server": {"prot": 1}}, "server.prot", id="typo-field"),
         pytest.param({"routing": {"set_cache_salt": True}}, "cache_salt_secret", id="salt-without-secret"),
         pytest.param({"discovery": {"mode": "dns"}}, "dns_name", id="dns-without-name"),
+        pytest.param(
+            {"routing": {"shared_state_url": "http://redis:6379"}},
+            "routing.shared_state_url",
+            id="store-scheme",
+        ),
+        pytest.param(
+            {"routing": {"shared_state_timeout_s": 0}}, "routing.shared_state_timeout_s", id="store-timeout"
+        ),
     ],
 )
 def test_bad_values_name_the_field(overrides: dict[str, object], expected: str) -> None:

@@ -35,6 +35,7 @@ from prefix_router.models import AdapterPolicy, ModelDirectory
 from prefix_router.proxy import Proxy
 from prefix_router.routing.picker import Picker
 from prefix_router.settings import Settings, normalise_backend_url
+from prefix_router.shared_state import SharedPlacement
 from prefix_router.upstream import Upstream
 
 log = logging.getLogger("prefix_router")
@@ -121,8 +122,23 @@ class RouterApp:
         self.models.declare({spec.url: spec.models for spec in static})
         self._static = static
         self._model_prober: ModelProber | None = None
+        # Replicas share placements through the store for our policy's index and ledgers only.
+        self.shared: SharedPlacement | None = None
+        if settings.routing.shared_state_url and self.picker.ledgers is not None:
+            self.shared = SharedPlacement(
+                settings.routing.shared_state_url, settings.routing.shared_state_timeout_s, self.registry
+            )
+        elif settings.routing.shared_state_url:
+            log.warning("routing.shared_state_url is ignored: it serves the prefix policy with its index")
         self.proxy = Proxy(
-            settings, self.backends, self.picker, self.upstream, self.metrics, rng, models=self.models
+            settings,
+            self.backends,
+            self.picker,
+            self.upstream,
+            self.metrics,
+            rng,
+            models=self.models,
+            shared=self.shared,
         )
         self.draining = False
         self.access_log: JsonAccessLog | None = None
@@ -237,6 +253,8 @@ class RouterApp:
                 timeout_s=self.settings.health.timeout_s,
             )
             self._spawn(capacity.run(), "kv_capacity")
+        if self.shared is not None:
+            self._spawn(self.shared.run(), "shared_state")
         if self.settings.load_signal.enabled:
             scraper = LoadSignalScraper(
                 self.settings.load_signal, self.backends, self.upstream, self.proxy.capacity_changed
@@ -250,6 +268,8 @@ class RouterApp:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks.clear()
+        if self.shared is not None:
+            await self.shared.close()
         await self.upstream.close()
 
     def _spawn(self, coro: Any, name: str) -> None:

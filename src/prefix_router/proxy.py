@@ -47,7 +47,9 @@ from prefix_router.routing.keys import RoutingKey, extract_key
 from prefix_router.routing.load import Lease
 from prefix_router.routing.picker import Branch, Candidates, Decision, Picker
 from prefix_router.routing.ring import HashRing
+from prefix_router.routing.shared_view import claim_request, resolve
 from prefix_router.settings import Settings
+from prefix_router.shared_state import SharedPlacement
 from prefix_router.upstream import Upstream, UpstreamResponse, request_headers
 
 BACKEND_HEADER = b"x-prefix-router-backend"
@@ -68,9 +70,11 @@ class Proxy:
         metrics: RouterMetrics,
         rng: random.Random | None = None,
         models: ModelDirectory | None = None,
+        shared: SharedPlacement | None = None,
     ) -> None:
         self._settings = settings
         self._models = models
+        self._shared = shared
         self._tags = BackendTags(b.url for b in backends.backends())
         backends.on_change(lambda: self._tags.update(b.url for b in backends.backends()))
         self._key_config = settings.key_config()
@@ -211,6 +215,8 @@ class Proxy:
             if self._backends.load.load(decision.backend_id) < balancing.max_inflight:
                 if queued_s:
                     self._metrics.waited("capacity", queued_s)
+                if pin is None and self._shared is not None and not exclude and key.blocks:
+                    return await self._share(key, decision, ring, candidates)
                 return decision
             left = deadline - loop.time()
             began = time.perf_counter()
@@ -222,6 +228,27 @@ class Proxy:
                     f"every backend is at its limit of {balancing.max_inflight} requests in flight",
                     retry_after_s=1,
                 )
+
+    async def _share(
+        self, key: RoutingKey, local: Decision, ring: HashRing, candidates: Candidates
+    ) -> Decision:
+        """The decision every replica agrees on (routing/shared_view.py): one bounded round trip to
+        the shared store; while it is slow or down, the local decision."""
+        shared = self._shared
+        assert shared is not None
+        if not shared.up:
+            return local
+        picker = self._picker
+        request = claim_request(key, local, picker, ring)
+        answer = await shared.claim(request)
+        if answer is None:
+            return local
+        picker.shared_footprints(answer.figures)
+        load = self._backends.load
+        resolution = resolve(local, answer, candidates.members, lambda b: picker.fits(b, candidates, load))
+        if resolution.takeover is not None:
+            shared.take_over(resolution.takeover, request, request.capacity_bytes)
+        return resolution.decision
 
     async def _wait_for_prefill(self, ticket: int) -> None:
         began = time.perf_counter()

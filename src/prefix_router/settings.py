@@ -178,6 +178,11 @@ class RoutingSettings(_Section):
     # Each backend's KV capacity in tokens; None: read from vLLM's vllm:cache_config_info.
     kv_capacity_tokens: int | None = Field(None, gt=0)
     bytes_per_token: float = Field(4.0, gt=0)  # key bytes a cached token stands for (~4 for English)
+    # Several replicas share prefix owners and footprints through this Redis/Valkey
+    # (redis://host:port/db, rediss://, unix://path): one round trip per request at most, and local
+    # routing while it is slow or down. Empty: each replica keeps its own state (shared_state.py).
+    shared_state_url: str = ""
+    shared_state_timeout_s: float = Field(0.05, gt=0)  # a reply later than this routes from local state
     set_cache_salt: bool = False  # set vLLM's cache_salt from the tenant, overwriting the client's
     cache_salt_secret: SecretStr | None = None  # key of the keyed hash that makes the salt
 
@@ -185,6 +190,14 @@ class RoutingSettings(_Section):
     @classmethod
     def _lower(cls, value: str) -> str:
         return value.strip().lower()
+
+    @field_validator("shared_state_url")
+    @classmethod
+    def _check_shared_state_url(cls, value: str) -> str:
+        value = value.strip()
+        if value and urlsplit(value).scheme not in ("redis", "rediss", "unix"):
+            raise ValueError("must be empty or start with redis://, rediss:// or unix://")
+        return value
 
     @model_validator(mode="after")
     def _check_salt(self) -> RoutingSettings:

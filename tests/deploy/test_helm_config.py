@@ -29,6 +29,8 @@ SECRET_FIELDS = {("server", "admin_token"), ("routing", "cache_salt_secret")}
 # Where the chart is deliberately stricter than the router: a pod's ports must be fixed, not ephemeral.
 TIGHTER = {("server", "port"): {"minimum": 1}, ("server", "metrics_port"): {"minimum": 1}}
 TIGHTER[("server", "admin_port")] = {"minimum": 1}
+# The same rule as the router's validator, at install time.
+TIGHTER[("routing", "shared_state_url")] = {"pattern": "^(|(redis|rediss|unix)://.*)$"}
 
 VALUE_SETS: list[Any] = [
     pytest.param({}, id="defaults"),
@@ -155,6 +157,8 @@ def test_schema_config_mirrors_settings(chart: Any) -> None:
         pytest.param({"discovery": {"mode": "dns"}}, id="dns-needs-a-name"),
         pytest.param({"discovery": {"mode": "kubernetes"}}, id="kubernetes-needs-a-service"),
         pytest.param({"load_signal": {"enable": True}}, id="typo"),
+        pytest.param({"routing": {"shared_state_url": "http://redis:6379"}}, id="shared-state-scheme"),
+        pytest.param({"routing": {"shared_state_timeout_s": 0}}, id="shared-state-timeout"),
     ],
 )
 def test_chart_and_router_reject_the_same_bad_config(
@@ -184,6 +188,17 @@ def test_chart_readme_documents_both_discovery_modes() -> None:
         pytest.param({"replicaCount": 1, "autoscaling": {"enabled": True}}, "ring", id="an-hpa"),
         pytest.param(
             {"config": {"routing": {"first_placement": "cache_room"}}}, "cache_room", id="set-by-user"
+        ),
+        pytest.param(
+            {"sharedState": {"enabled": True, "existingSecret": "redis-url"}}, "cache_room", id="shared-state"
+        ),
+        pytest.param(
+            {"sharedState": {"enabled": True, "redis": {"enabled": True}}}, "cache_room", id="chart-redis"
+        ),
+        pytest.param(
+            {"config": {"routing": {"shared_state_url": "redis://redis:6379/0"}}},
+            "cache_room",
+            id="url-in-config",
         ),
     ],
 )

@@ -92,3 +92,24 @@ streams the router is still draining. Computed when not given; a given value tha
 {{- $given -}}
 {{- end -}}
 {{- end -}}
+
+{{/*
+The shared state store's URL as an env entry of the router container (empty when sharedState is off):
+from the given Secret, else the chart's own single-pod Redis.
+*/}}
+{{- define "prefix-router.sharedStateEnv" -}}
+{{- $ss := .Values.sharedState -}}
+{{- if $ss.enabled -}}
+- name: PREFIX_ROUTER_ROUTING__SHARED_STATE_URL
+{{- if $ss.existingSecret }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ $ss.existingSecret }}
+      key: {{ $ss.existingSecretKey }}
+{{- else if $ss.redis.enabled }}
+  value: {{ printf "redis://%s-redis:%d/0" (include "prefix-router.fullname" .) (int $ss.redis.port) | quote }}
+{{- else }}
+{{- fail "sharedState.enabled needs sharedState.existingSecret (a Secret with the Redis URL) or sharedState.redis.enabled" }}
+{{- end }}
+{{- end }}
+{{- end }}

@@ -99,7 +99,7 @@ class BackendLedger:
 class FootprintLedgers:
     """One ledger per backend and a shared clock; `on_evict(block, backend)` drops stale owners."""
 
-    __slots__ = ("_capacity_of", "_clock", "_ledgers", "_max_entries", "_on_evict", "_ranks")
+    __slots__ = ("_capacity_of", "_clock", "_ledgers", "_max_entries", "_on_evict", "_ranks", "_shared")
 
     def __init__(self, max_entries: int, on_evict: Callable[[int, str], None] | None = None) -> None:
         self._ledgers: dict[str, BackendLedger] = {}
@@ -108,6 +108,9 @@ class FootprintLedgers:
         self._on_evict = on_evict
         self._clock = 0
         self._ranks: dict[str, tuple[int, float]] = {}  # kept with every change: a pick only reads
+        # Fleet-wide figures from the shared store (bytes used, oldest use, entries): while a backend
+        # has one, it ranks by it, on the shared clock, rather than by what this replica placed.
+        self._shared: dict[str, tuple[int, int, int]] = {}
 
     def ledger(self, backend_id: str) -> BackendLedger:
         ledger = self._ledgers.get(backend_id)
@@ -125,6 +128,11 @@ class FootprintLedgers:
             self._evicted(ledger.set_capacity(capacity), backend_id)
         self._ranks[backend_id] = self._rank_now(backend_id)
 
+    def set_shared(self, backend_id: str, used_bytes: int, oldest_use: int, entries: int) -> None:
+        """The backend's footprint as every replica's placements made it (shared placement state)."""
+        self._shared[backend_id] = (used_bytes, oldest_use, entries)
+        self._ranks[backend_id] = self._rank_now(backend_id)
+
     def capacity(self, backend_id: str) -> float:
         return self._capacity_of.get(backend_id, UNKNOWN_CAPACITY_BYTES)
 
@@ -133,7 +141,8 @@ class FootprintLedgers:
         evicted = self.ledger(backend_id).record(blocks, sizes, self._clock)
         if evicted:
             self._evicted(evicted, backend_id)
-        self._ranks[backend_id] = self._rank_now(backend_id)
+        if backend_id not in self._shared:
+            self._ranks[backend_id] = self._rank_now(backend_id)
 
     def rank(self, backend_id: str) -> tuple[int, float]:
         """Smaller is a better home for a new prefix: (0, -room) while there is room, then
@@ -142,6 +151,13 @@ class FootprintLedgers:
         return rank if rank is not None else (0, -self.capacity(backend_id))
 
     def _rank_now(self, backend_id: str) -> tuple[int, float]:
+        shared = self._shared.get(backend_id)
+        if shared is not None:
+            used, oldest, entries = shared
+            capacity = self.capacity(backend_id)
+            if used < capacity and entries < self._max_entries:
+                return (0, -(capacity - used))
+            return (1, float(oldest))
         ledger = self._ledgers.get(backend_id)
         if ledger is None:
             return (0, -self.capacity(backend_id))
@@ -153,6 +169,7 @@ class FootprintLedgers:
         self._ledgers.pop(backend_id, None)
         self._capacity_of.pop(backend_id, None)
         self._ranks.pop(backend_id, None)
+        self._shared.pop(backend_id, None)
 
     def backends(self) -> Iterable[str]:
         return self._ledgers.keys()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -125,6 +125,29 @@ class Picker:
         """A backend's KV capacity in bytes of key material (None: unknown)."""
         if self._ledgers is not None:
             self._ledgers.set_capacity(backend_id, capacity_bytes)
+
+    def fits(self, backend_id: str, usable: Candidates, load: LoadTracker) -> bool:
+        """May `backend_id` take one more request now: a candidate, under max_inflight and within the
+        bound (what _pick_prefix's fits() says, for a backend chosen elsewhere)."""
+        if backend_id not in usable.members:
+            return False
+        cfg = self._config
+        after = load.load(backend_id) + 1
+        if after > cfg.max_inflight:
+            return False
+        if after <= self._under_floor:
+            return True
+        bound = load_bound(
+            load.total_load(), len(usable.ids), cfg.load_factor, cfg.max_inflight, cfg.load_floor
+        )
+        return after <= bound
+
+    def shared_footprints(self, figures: Iterable[tuple[str, int, int, int]]) -> None:
+        """Fleet-wide footprints (backend, bytes used, oldest use, entries), so cache-room ranks count
+        what every replica placed."""
+        if self._ledgers is not None:
+            for backend_id, used, oldest, entries in figures:
+                self._ledgers.set_shared(backend_id, used, oldest, entries)
 
     def covers(self, key: RoutingKey, known_blocks: int) -> bool:
         """Is a prefix of `known_blocks` blocks enough of this request to follow its owners?"""

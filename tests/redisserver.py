@@ -1,0 +1,100 @@
+"""A real `redis-server` on a 127.0.0.1 ephemeral port, for the shared placement state tests.
+
+Skipped with a reason when the binary is missing, except under CI (CI=true), where that fails:
+.ci/run installs it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+
+import pytest
+
+
+def redis_binary() -> str:
+    found = shutil.which("redis-server")
+    if found is None:
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail("redis-server is not installed; .ci/run installs Debian's redis-server package")
+        pytest.skip("redis-server is not installed (Debian: apt-get install redis-server)")
+    return found
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class RedisServer:
+    """One redis-server process; `kill()` ends it, `start()` brings a new one up on the same port."""
+
+    def __init__(self, binary: str, port: int | None = None) -> None:
+        self.binary = binary
+        self.port = port or _free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+        self._dir = tempfile.TemporaryDirectory(prefix="prefix-router-redis-")
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        args = [
+            self.binary,
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", self._dir.name,
+            "--protected-mode", "yes",
+        ]  # fmt: skip
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                err = self.process.stderr.read().decode() if self.process.stderr else ""
+                raise RuntimeError(f"redis-server exited: {err}")
+            if self._answers():
+                return
+            time.sleep(0.02)
+        raise RuntimeError("redis-server did not answer in time")
+
+    def _answers(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
+                sock.sendall(b"PING\r\n")
+                return sock.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def kill(self) -> None:
+        """Terminate the server process and wait for it."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        if self.process is not None and self.process.stderr is not None:
+            self.process.stderr.close()
+        self.process = None
+
+    def close(self) -> None:
+        self.kill()
+        self._dir.cleanup()
+
+
+def started_redis() -> RedisServer:
+    server = RedisServer(redis_binary())
+    server.start()
+    return server
+
+
+__all__ = ["RedisServer", "redis_binary", "started_redis"]

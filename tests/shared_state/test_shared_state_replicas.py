@@ -1,0 +1,157 @@
+"""Three routers in front of the same fake backends, with one real redis-server between them:
+conversations and system-prompt groups sent round robin over the routers stay on one backend, and
+a Redis killed mid-run costs no request; when it comes back on its port, routing uses it again."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import httpx
+import orjson
+from redis.asyncio import Redis
+
+from prefix_router.routing.picker import Branch
+
+from redisserver import RedisServer
+from routerkit import RunningRouter, eventually, router_settings
+
+CHAT = "/v1/chat/completions"
+BACKEND_HEADER = "x-prefix-router-backend"
+
+
+def _system(family: int, chars: int) -> str:
+    text = f"System prompt {family}: you answer questions about topic {family * 7919 % 1000}. "
+    return (text * (chars // len(text) + 1))[:chars]
+
+
+async def _routers(router: Any, backends: list[Any], url: str, n: int = 3) -> list[RunningRouter]:
+    # A generous timeout: a loaded test machine must not turn a slow reply into a local decision.
+    routing = {"shared_state_url": url, "shared_state_timeout_s": 2.0}
+    routers = [await router(router_settings(backends, routing=routing)) for _ in range(n)]
+    for r in routers:
+        assert r.app.shared is not None
+        shared = r.app.shared
+        await eventually(lambda shared=shared: shared.up)  # type: ignore[misc]
+    return routers
+
+
+async def _send(client: httpx.AsyncClient, r: RunningRouter, messages: list[dict[str, str]]) -> str:
+    body = orjson.dumps({"model": "m", "messages": messages})
+    resp = await client.post(r.url + CHAT, content=body, headers={"content-type": "application/json"})
+    assert resp.status_code == 200, resp.text
+    return resp.headers[BACKEND_HEADER]
+
+
+def _sample(r: RunningRouter, name: str, labels: dict[str, str] | None = None) -> float:
+    return r.app.registry.get_sample_value(name, labels or {}) or 0.0
+
+
+async def test_a_conversation_sent_round_robin_over_three_routers_stays_on_one_backend(
+    fake_backends: Any, router: Any, client: httpx.AsyncClient, redis_server: RedisServer
+) -> None:
+    backends = await fake_backends(4)
+    routers = await _routers(router, backends, redis_server.url)
+    moved = 0
+    homes = []
+    for conv in range(8):
+        messages = [{"role": "system", "content": _system(conv, 1000)}]
+        seen = []
+        for turn in range(6):
+            messages.append({"role": "user", "content": f"conversation {conv}, question {turn}?"})
+            seen.append(await _send(client, routers[(conv + turn) % 3], messages))
+            messages.append({"role": "assistant", "content": f"answer {turn} of {conv}. " * 20})
+        moved += sum(a != b for a, b in itertools.pairwise(seen))
+        homes.append(seen[0])
+    assert moved == 0
+    assert len(set(homes)) > 1  # the conversations spread: agreement on one backend proves nothing
+    match = {"branch": Branch.PREFIX_MATCH.value}
+    followed = sum(_sample(r, "prefix_router_decisions_total", match) for r in routers)
+    assert followed >= 8 * 5
+
+
+async def test_groups_sharing_a_system_prompt_stay_on_one_backend_across_routers(
+    fake_backends: Any, router: Any, client: httpx.AsyncClient, redis_server: RedisServer
+) -> None:
+    backends = await fake_backends(4)
+    routers = await _routers(router, backends, redis_server.url)
+    placements: dict[int, set[str]] = {}
+    for i in range(60):
+        group = i % 10
+        messages = [
+            {"role": "system", "content": _system(group, 2000)},
+            {"role": "user", "content": f"one-shot question {i}"},
+        ]
+        placements.setdefault(group, set()).add(await _send(client, routers[i % 3], messages))
+    assert all(len(where) == 1 for where in placements.values()), placements
+    assert len(set.union(*placements.values())) > 1
+    # One round trip a request: one script call each (a router's first also loads the script; the
+    # commands the scripts run are counted under their own names).
+    probe = Redis.from_url(redis_server.url, decode_responses=True)
+    try:
+        stats = await probe.info("commandstats")
+    finally:
+        await probe.aclose()
+    evalsha = stats["cmdstat_evalsha"]
+    assert evalsha["calls"] - evalsha["failed_calls"] == 60
+
+
+async def test_redis_killed_mid_run_costs_no_request_and_is_used_again_when_back(
+    fake_backends: Any, router: Any, client: httpx.AsyncClient, redis_server: RedisServer
+) -> None:
+    backends = await fake_backends(3)
+    routers = await _routers(router, backends, redis_server.url)
+
+    async def groups(first: int, count: int) -> dict[int, set[str]]:
+        placed: dict[int, set[str]] = {}
+        for i in range(count * 3):
+            group = first + i % count
+            messages = [
+                {"role": "system", "content": _system(group, 2000)},
+                {"role": "user", "content": f"question {i}"},
+            ]
+            placed.setdefault(group, set()).add(await _send(client, routers[i % 3], messages))
+        return placed
+
+    await groups(0, 4)
+    redis_server.kill()
+    await groups(100, 6)  # every one answered 200 (_send asserts it), from local state
+    errors = sum(
+        _sample(r, "prefix_router_shared_state_errors_total", {"reason": "connection"}) for r in routers
+    )
+    assert errors >= 1
+    assert all(_sample(r, "prefix_router_shared_state_up") == 0 for r in routers if r.app.shared)
+    redis_server.start()  # a new, empty server on the same port
+    for r in routers:
+        shared = r.app.shared
+        assert shared is not None
+        await eventually(lambda shared=shared: shared.up, timeout_s=10)  # type: ignore[misc]
+    assert all(_sample(r, "prefix_router_shared_state_up") == 1 for r in routers)
+    after = await groups(200, 6)
+    assert all(len(where) == 1 for where in after.values()), after
+    probe = Redis.from_url(redis_server.url)
+    try:
+        assert await probe.dbsize() > 0  # the new groups were claimed in the new server
+    finally:
+        await probe.aclose()
+
+
+async def test_a_backend_one_router_cannot_use_hands_its_prefixes_to_where_that_router_sent_them(
+    fake_backends: Any, router: Any, client: httpx.AsyncClient, redis_server: RedisServer
+) -> None:
+    backends = await fake_backends(3)
+    first, second = await _routers(router, backends, redis_server.url, n=2)
+
+    def group(i: int) -> list[dict[str, str]]:
+        return [{"role": "system", "content": _system(1, 2000)}, {"role": "user", "content": f"question {i}"}]
+
+    owner = await _send(client, first, group(0))
+    assert second.app.backends.drain(owner)  # the second router may no longer send there
+    moved = await _send(client, second, group(1))
+    assert moved != owner
+    # The take-over is written in the background; then the first router, which could still use the
+    # old owner, follows the prefix to where it went.
+    for i in range(2, 200):
+        if await _send(client, first, group(i)) == moved:
+            break
+        assert i < 50, "the first router never followed the take-over"

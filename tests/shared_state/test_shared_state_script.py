@@ -1,0 +1,222 @@
+"""The claim and take-over scripts on a real redis-server: first writer wins, the follow table is
+respected, eviction drops stale owners, footprints are returned; and the client's failure handling."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+from redis.asyncio import Redis
+
+from prefix_router.routing.shared_view import ClaimAnswer, ClaimRequest, Takeover
+from prefix_router.shared_state import NAMESPACE, SharedPlacement
+
+from redisserver import RedisServer
+from routerkit import eventually
+
+BIG = float(1 << 40)
+
+
+@pytest.fixture
+async def store(redis_server: RedisServer) -> AsyncIterator[Callable[..., Any]]:
+    made: list[tuple[SharedPlacement, asyncio.Task[None]]] = []
+
+    async def make(**kwargs: Any) -> SharedPlacement:
+        registry = CollectorRegistry()
+        shared = SharedPlacement(redis_server.url, kwargs.pop("timeout_s", 2.0), registry, **kwargs)
+        shared.registry = registry  # type: ignore[attr-defined]
+        task = asyncio.get_running_loop().create_task(shared.run())
+        made.append((shared, task))
+        await eventually(lambda: shared.up)
+        return shared
+
+    yield make
+    for shared, task in made:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await shared.close()
+
+
+@pytest.fixture
+async def raw(redis_server: RedisServer) -> AsyncIterator[Redis]:
+    client = Redis.from_url(redis_server.url, decode_responses=True)
+    yield client
+    await client.aclose()
+
+
+def claim(
+    blocks: list[int],
+    proposed: str,
+    follow: str | None = None,
+    *,
+    sizes: list[int] | None = None,
+    capacity: float = BIG,
+    listed: tuple[str, ...] = (),
+) -> ClaimRequest:
+    return ClaimRequest(
+        tuple(blocks),
+        tuple(sizes or [100] * len(blocks)),
+        follow if follow is not None else "1" * len(blocks),
+        proposed,
+        capacity,
+        listed,
+    )
+
+
+async def claimed(shared: SharedPlacement, request: ClaimRequest) -> ClaimAnswer:
+    answer = await shared.claim(request)
+    assert answer is not None
+    return answer
+
+
+async def owners(raw: Redis, blocks: list[int]) -> list[str | None]:
+    return list(await raw.mget([f"{NAMESPACE}o:{b}" for b in blocks]))
+
+
+async def test_the_first_writer_wins_and_is_followed(store: Any, raw: Redis) -> None:
+    a, b = await store(), await store()  # two replicas
+    first = await claimed(a, claim([1, 2, 3], "X"))
+    assert (first.chosen, first.depth, first.followed) == ("X", 0, False)
+    second = await claimed(b, claim([1, 2, 3], "Y"))
+    assert (second.chosen, second.depth, second.followed) == ("X", 3, True)
+    # A longer request sharing the prefix: followed to X, and X owns its new blocks too.
+    third = await claimed(b, claim([1, 2, 3, 4, 5], "Y"))
+    assert (third.chosen, third.depth) == ("X", 3)
+    assert await owners(raw, [1, 2, 3, 4, 5]) == ["X"] * 5
+
+
+async def test_the_follow_table_decides_and_owned_blocks_stay(store: Any, raw: Redis) -> None:
+    shared = await store()
+    await claimed(shared, claim([1, 2], "X"))
+    # The shared prefix covers too little of this request (follow[2] == 0): the proposal stands.
+    answer = await claimed(shared, claim([1, 2, 7, 8], "Y", follow="0011"))
+    assert (answer.chosen, answer.depth, answer.followed) == ("Y", 2, False)
+    assert await owners(raw, [1, 2, 7, 8]) == ["X", "X", "Y", "Y"]
+    # The deepest owned block decides, whoever owns the shallower ones.
+    deeper = await claimed(shared, claim([1, 2, 7, 9], "Z", follow="0111"))
+    assert (deeper.chosen, deeper.depth, deeper.followed) == ("Y", 3, True)
+    assert await owners(raw, [9]) == ["Y"]
+
+
+async def test_eviction_drops_the_owners_that_name_the_backend(store: Any, raw: Redis) -> None:
+    shared = await store()
+    await claimed(shared, claim([50], "Y"))  # Y owns 50
+    # X holds 300 bytes: 50 (owned by Y) and 1, 2 on the first request, then 3, 4 push them out.
+    await claimed(shared, claim([50, 1, 2], "X", follow="000", capacity=300))
+    assert await owners(raw, [50, 1, 2]) == ["Y", "X", "X"]
+    answer = await claimed(shared, claim([3, 4], "X", capacity=300, listed=("X", "Y")))
+    assert answer.chosen == "X"
+    # Oldest first, the request's deepest block first: 2, then 1; then 300 bytes hold, 50 stays.
+    assert await owners(raw, [1, 2, 3, 4]) == [None, None, "X", "X"]
+    assert await owners(raw, [50]) == ["Y"]  # stale only on X: Y's owner entry stays
+    figures = dict((b, (used, oldest, entries)) for b, used, oldest, entries in answer.figures)
+    used, oldest, entries = figures["X"]
+    assert (used, entries) == (300, 3)
+    assert set(await raw.zrange(f"{NAMESPACE}lru:X", 0, -1)) == {"50", "3", "4"}
+    assert oldest == int(float((await raw.zrange(f"{NAMESPACE}lru:X", 0, 0, withscores=True))[0][1]))
+    assert figures["Y"][0] == 100 and figures["Y"][2] == 1
+
+
+async def test_footprints_report_each_listed_backend(store: Any) -> None:
+    shared = await store()
+    await claimed(shared, claim([1, 2], "X", sizes=[256, 512]))
+    await claimed(shared, claim([9], "Y", sizes=[128]))
+    answer = await claimed(shared, claim([20], "Y", sizes=[64], listed=("X", "Y", "W")))
+    figures = {b: (used, oldest, entries) for b, used, oldest, entries in answer.figures}
+    assert figures["X"][0] == 768 and figures["X"][2] == 2
+    assert figures["Y"][0] == 192 and figures["Y"][2] == 2
+    assert figures["W"] == (0, -1, 0)  # nothing placed there yet
+    # On the shared clock, X's least recently used entry is older than Y's.
+    assert figures["X"][1] < figures["Y"][1]
+
+
+async def test_a_take_over_moves_the_blocks_the_claim_gave_the_owner(store: Any, raw: Redis) -> None:
+    shared = await store()
+    await claimed(shared, claim([1, 2], "X"))
+    request = claim([1, 2, 3, 4], "Y")
+    answer = await claimed(shared, request)
+    assert (answer.chosen, answer.depth) == ("X", 2)  # the router then could not use X
+    shared.take_over(Takeover("X", "Y", answer.depth), request, BIG)
+    await eventually_async(lambda: owners(raw, [1, 2, 3, 4]), ["X", "X", "Y", "Y"])
+    assert set(await raw.zrange(f"{NAMESPACE}lru:X", 0, -1)) == {"1", "2"}
+    assert set(await raw.zrange(f"{NAMESPACE}lru:Y", 0, -1)) == {"1", "2", "3", "4"}
+    assert int(await raw.hget(f"{NAMESPACE}used", "X") or 0) == 200
+    # A backend that cannot take requests at all loses every block it owns here.
+    shared.take_over(Takeover("X", "Y", 0), request, BIG)
+    await eventually_async(lambda: owners(raw, [1, 2, 3, 4]), ["Y"] * 4)
+
+
+async def eventually_async(read: Callable[[], Any], expected: Any, timeout_s: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while (got := await read()) != expected:
+        if loop.time() > deadline:
+            raise AssertionError(f"{got!r} != {expected!r}")
+        await asyncio.sleep(0.01)
+
+
+def _errors(shared: SharedPlacement, reason: str) -> float:
+    registry: CollectorRegistry = shared.registry  # type: ignore[attr-defined]
+    return registry.get_sample_value("prefix_router_shared_state_errors_total", {"reason": reason}) or 0.0
+
+
+def _up(shared: SharedPlacement) -> float | None:
+    registry: CollectorRegistry = shared.registry  # type: ignore[attr-defined]
+    return registry.get_sample_value("prefix_router_shared_state_up")
+
+
+async def test_a_store_that_goes_away_is_counted_logged_once_and_found_again(
+    store: Any, redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="prefix_router.shared_state")
+    shared = await store(reconnect_interval_s=0.1)
+    assert _up(shared) == 1
+    redis_server.kill()
+    assert await shared.claim(claim([1], "X")) is None
+    assert not shared.up and _up(shared) == 0
+    assert _errors(shared, "connection") >= 1
+    for _ in range(20):  # while down, no call is made: nothing more to count per request
+        assert await shared.claim(claim([1], "X")) is None
+    await asyncio.sleep(0.5)  # several reconnect attempts fail meanwhile
+    downs = [r for r in caplog.records if "is down" in r.getMessage()]
+    assert len(downs) == 1
+    redis_server.start()
+    await eventually(lambda: shared.up)
+    answer = await shared.claim(claim([1], "X"))
+    assert answer is not None and answer.chosen == "X"
+    assert len([r for r in caplog.records if "is up" in r.getMessage()]) == 2  # at start, and now
+
+
+async def test_a_slow_store_times_out_and_the_caller_routes_locally(store: Any, raw: Redis) -> None:
+    shared = await store(timeout_s=0.05)
+    # The server is busy for 0.3 s (a script that spins): each claim in that window times out.
+    spin = (
+        "local t = redis.call('TIME'); local s = t[1] + t[2] / 1e6; while true do"
+        " local n = redis.call('TIME'); if n[1] + n[2] / 1e6 - s > 0.3 then break end end return 1"
+    )
+    busy = asyncio.get_running_loop().create_task(raw.eval(spin, 0))
+    await asyncio.sleep(0.05)
+    assert await shared.claim(claim([1], "X")) is None
+    assert _errors(shared, "timeout") == 1
+    assert shared.up  # one slow reply is that request's, not an outage
+    await busy
+
+
+async def test_a_wrong_reply_is_counted_and_said_once_without_calling_the_store_down(
+    store: Any, raw: Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="prefix_router.shared_state")
+    shared = await store()
+    await raw.set(f"{NAMESPACE}clock", "not a number")  # INCRBY in the script now fails
+    for _ in range(3):
+        assert await shared.claim(claim([1], "X")) is None
+    assert _errors(shared, "reply") == 3
+    assert shared.up
+    assert len([r for r in caplog.records if "answered with an error" in r.getMessage()]) == 1
+    assert not [r for r in caplog.records if "is down" in r.getMessage()]
