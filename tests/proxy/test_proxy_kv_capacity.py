@@ -82,8 +82,8 @@ async def test_the_router_learns_each_backends_capacity(vllm_like, router) -> No
     assert ledgers is not None
     a, b, c = vllm_like
     await eventually(lambda: ledgers.capacity(a) == 100 * 16 * 4.0 and ledgers.capacity(b) == 300 * 16 * 4.0)
-    unknown = ledgers.capacity(c)
-    assert unknown > ledgers.capacity(b)  # a backend that does not say is treated as roomy, not as empty
+    # A backend that does not say counts as the known ones' mean: neither the roomiest nor full.
+    assert ledgers.capacity(c) == (ledgers.capacity(a) + ledgers.capacity(b)) / 2
 
 
 async def test_a_configured_capacity_wins(vllm_like, router) -> None:

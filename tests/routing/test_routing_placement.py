@@ -212,7 +212,23 @@ def test_a_full_ledger_ranks_by_how_long_it_keeps_things() -> None:
     ledgers.set_capacity("c", 5000)
     ledgers.record("c", (4,), (1000,))
     assert ledgers.rank("c") < ledgers.rank("a")  # room beats a full cache
-    assert ledgers.rank("unseen") < ledgers.rank("c")  # nothing placed: the most room of all
+    # A backend that never said its capacity counts as the known ones' mean, not as the roomiest.
+    assert ledgers.capacity("unseen") == (1000 + 1000 + 5000) / 3
+    assert ledgers.rank("c") < ledgers.rank("unseen")
+
+
+def test_a_backend_that_never_says_its_capacity_does_not_draw_every_new_prefix() -> None:
+    """A backend that is down or exports no cache_config_info: once the others' capacities are
+    known it fills like them, instead of ranking first forever with an unbounded ledger."""
+    ring, cands = fleet(3)
+    picker = Picker(BalanceConfig())
+    silent, *known = cands.ids
+    for backend in known:
+        picker.set_capacity(backend, 20_000)
+    homes = Counter(
+        place(picker, chat(("system", text(900 + g, 3000)), ("user", "q")), ring, cands) for g in range(30)
+    )
+    assert homes[silent] <= 12, homes
 
 
 @settings(max_examples=200)

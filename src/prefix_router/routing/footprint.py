@@ -18,8 +18,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
-# A backend whose capacity is not known yet: every unknown backend gets the same figure, so they
-# rank by what they hold; the entry bound below still keeps the ledger's memory bounded.
+# A backend whose capacity is not known gets the mean of those that are known (a backend that does
+# not say, or cannot be reached, must not look the roomiest and draw every new prefix), or this
+# figure while none is known, so they rank by what they hold; the entry bound keeps memory bounded.
 UNKNOWN_CAPACITY_BYTES = float(1 << 40)
 
 
@@ -115,17 +116,21 @@ class FootprintLedgers:
     def ledger(self, backend_id: str) -> BackendLedger:
         ledger = self._ledgers.get(backend_id)
         if ledger is None:
-            capacity = self._capacity_of.get(backend_id, UNKNOWN_CAPACITY_BYTES)
+            capacity = self.capacity(backend_id)
             ledger = self._ledgers[backend_id] = BackendLedger(capacity, self._max_entries)
         return ledger
 
     def set_capacity(self, backend_id: str, capacity_bytes: float | None) -> None:
         """The backend's KV capacity in bytes of key material; None: not known."""
-        capacity = UNKNOWN_CAPACITY_BYTES if capacity_bytes is None else max(0.0, capacity_bytes)
-        self._capacity_of[backend_id] = capacity
-        ledger = self._ledgers.get(backend_id)
-        if ledger is not None:
-            self._evicted(ledger.set_capacity(capacity), backend_id)
+        if capacity_bytes is None:
+            self._capacity_of.pop(backend_id, None)
+        else:
+            self._capacity_of[backend_id] = max(0.0, capacity_bytes)
+        # The figure of every backend whose capacity is unknown follows the known ones' mean.
+        for other, ledger in self._ledgers.items():
+            if other == backend_id or other not in self._capacity_of:
+                self._evicted(ledger.set_capacity(self.capacity(other)), other)
+                self._ranks[other] = self._rank_now(other)
         self._ranks[backend_id] = self._rank_now(backend_id)
 
     def set_shared(self, backend_id: str, used_bytes: int, oldest_use: int, entries: int) -> None:
@@ -134,7 +139,12 @@ class FootprintLedgers:
         self._ranks[backend_id] = self._rank_now(backend_id)
 
     def capacity(self, backend_id: str) -> float:
-        return self._capacity_of.get(backend_id, UNKNOWN_CAPACITY_BYTES)
+        known = self._capacity_of.get(backend_id)
+        if known is not None:
+            return known
+        if self._capacity_of:
+            return sum(self._capacity_of.values()) / len(self._capacity_of)
+        return UNKNOWN_CAPACITY_BYTES
 
     def record(self, backend_id: str, blocks: Sequence[int], sizes: Sequence[int]) -> None:
         self._clock += 1
