@@ -174,6 +174,18 @@ def answer(data: bytes, keep_open: bool = True) -> Script:
     return script
 
 
+def dribble(data: bytes, piece_bytes: int, pause_s: float = 0.0) -> Script:
+    """Answer with `data` cut in pieces of `piece_bytes`, each its own write, `pause_s` apart."""
+
+    async def script(req: RawRequest, conn: RawConn) -> bool:
+        for i in range(0, len(data), piece_bytes):
+            await conn.send(data[i : i + piece_bytes])
+            await asyncio.sleep(pause_s)
+        return True
+
+    return script
+
+
 def ok(body: bytes = b"ok", extra: bytes = b"") -> bytes:
     return b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: %d\r\n%s\r\n%s" % (
         len(body),

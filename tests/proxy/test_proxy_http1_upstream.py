@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from rawbackend import RawBackend, RawConn, RawRequest, Start, answer, ok
+from rawbackend import RawBackend, RawConn, RawRequest, Start, answer, dribble, ok
 from routerkit import RunningRouter, eventually, router_settings
 
 
@@ -69,13 +69,7 @@ async def test_chunked_with_extensions_and_trailers_is_decoded(raw: Start, clien
         b"0;last=1\r\nx-checksum: abc\r\nx-other: 2\r\n\r\n"
     )
 
-    async def script(req: RawRequest, conn: RawConn) -> bool:
-        for i in range(0, len(wire), 23):
-            await conn.send(wire[i : i + 23])
-            await asyncio.sleep(0.005)
-        return True
-
-    backend, r = await raw(script)
+    backend, r = await raw(dribble(wire, 23, 0.005))
     for _ in range(2):
         resp = await client.get(f"{r.url}/chunked")
         assert resp.status_code == 200
