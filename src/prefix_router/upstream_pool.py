@@ -50,9 +50,21 @@ class Origin:
         return cls(parts.scheme, parts.hostname or "", port, parts.netloc.encode("latin-1"))
 
 
-def _frames_body(name: bytes, value: bytes) -> bool:
-    """A Content-Length, or chunked coding: the body's end is known without the connection closing."""
-    return name == b"content-length" or (name == b"transfer-encoding" and b"chunked" in value.lower())
+def frames_body(headers: list[tuple[bytes, bytes]]) -> bool:
+    """Whether the body's end is known without the connection closing (RFC 9112 §6.3): with
+    Transfer-Encoding, only when chunked is the final coding of the list its fields make (`chunked,
+    gzip` runs to the close, as llhttp reads it); without it, when there is a Content-Length."""
+    codings: list[bytes] = []
+    has_length = False
+    for name, value in headers:
+        lowered = name.lower()
+        if lowered == b"transfer-encoding":
+            codings += [c.strip().lower() for c in value.split(b",") if c.strip()]
+        elif lowered == b"content-length":
+            has_length = True
+    if codings:
+        return codings[-1] == b"chunked"
+    return has_length
 
 
 class StaleConnection(UpstreamError):
@@ -283,7 +295,7 @@ class Connection(asyncio.Protocol):
             return
         self.status = status
         self.keep_alive = self._parser.should_keep_alive()
-        self._has_length = any(_frames_body(name.lower(), v) for name, v in self.raw_headers)
+        self._has_length = frames_body(self.raw_headers)
         self.head_done = True
         self._head_bytes = 0
         if self._head_only or status in _NO_BODY_STATUSES:
