@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
 import shlex
+import signal
 import socket
 import statistics
 import subprocess
@@ -131,6 +133,31 @@ def wait_for_port(port: int, timeout_s: float = 20.0) -> None:
         except OSError:
             time.sleep(0.05)
     raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout_s:g} s")
+
+
+def pinned(argv: list[str], cpus: str | None) -> list[str]:
+    return ["taskset", "-c", cpus, *argv] if cpus else argv
+
+
+def start_process(argv: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """A child in its own session (so stop_process reaches its children too), output to `log`."""
+    with log.open("wb") as fh:
+        return subprocess.Popen(
+            argv, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=log.parent
+        )
+
+
+def stop_process(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
 
 
 def cpu_seconds(pid: int) -> float:
