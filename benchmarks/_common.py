@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
 import shlex
+import signal
 import socket
 import statistics
 import subprocess
@@ -122,17 +124,6 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
-    """SIGTERM, then SIGKILL if it has not exited after `timeout_s`; always reaped."""
-    if proc.poll() is None:
-        proc.terminate()
-    try:
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 def wait_for_port(port: int, timeout_s: float = 20.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -142,6 +133,39 @@ def wait_for_port(port: int, timeout_s: float = 20.0) -> None:
         except OSError:
             time.sleep(0.05)
     raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout_s:g} s")
+
+
+def pinned(argv: list[str], cpus: str | None) -> list[str]:
+    return ["taskset", "-c", cpus, *argv] if cpus else argv
+
+
+def start_process(argv: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """A child in its own session (so stop_process reaches its children too), output to `log`."""
+    with log.open("wb") as fh:
+        return subprocess.Popen(
+            argv, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=log.parent
+        )
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL if it has not exited after `timeout_s`; always reaped. A child started
+    in its own session (start_process) is signalled with its whole process group."""
+    if proc.poll() is not None:
+        return
+
+    def signal_it(sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            if os.getpgid(proc.pid) == proc.pid:
+                os.killpg(proc.pid, sig)
+            else:
+                proc.send_signal(sig)
+
+    signal_it(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        signal_it(signal.SIGKILL)
+        proc.wait(timeout=timeout_s)
 
 
 def cpu_seconds(pid: int) -> float:

@@ -44,7 +44,10 @@ from _common import (
     markdown_table,
     median,
     package_version,
+    pinned,
     print_header,
+    start_process,
+    stop_process,
     tool_version,
     wait_for_port,
     write_results,
@@ -388,30 +391,6 @@ class Target:
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
-
-
-def pinned(argv: list[str], cpus: str | None) -> list[str]:
-    return ["taskset", "-c", cpus, *argv] if cpus else argv
-
-
-def start_process(argv: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    with log.open("wb") as fh:
-        return subprocess.Popen(
-            argv, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=log.parent
-        )
-
-
-def stop_process(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
 
 
 def wait_http_ready(port: int, path: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float) -> None:

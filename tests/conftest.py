@@ -11,7 +11,8 @@ import pytest
 from prefix_router.settings import Settings
 
 from fakebackend import FakeBackend
-from routerkit import RunningRouter, start_router
+from rawbackend import RawBackend, Script, Start
+from routerkit import RunningRouter, eventually, router_settings, start_router
 
 
 @pytest.fixture
@@ -50,3 +51,25 @@ async def router() -> AsyncIterator[Callable[..., Any]]:
 async def client() -> AsyncIterator[httpx.AsyncClient]:
     async with httpx.AsyncClient(timeout=10) as c:
         yield c
+
+
+@pytest.fixture
+async def raw(router: Callable[..., Any]) -> AsyncIterator[Start]:
+    """start(script, idle_close_s=None, **router_sections) -> (backend, router), the router's
+    start-up health probe already answered so it never races a test's first request."""
+    started: list[RawBackend] = []
+
+    async def start(
+        script: Script, idle_close_s: float | None = None, **sections: dict[str, Any]
+    ) -> tuple[RawBackend, RunningRouter]:
+        backend = RawBackend(script, idle_close_s)
+        await backend.start()
+        started.append(backend)
+        r = await router(router_settings([backend.url], **sections))
+        await eventually(lambda: backend.health_probes >= 1)
+        await eventually(lambda: backend.open == 0)
+        return backend, r
+
+    yield start
+    for backend in started:
+        await backend.stop()

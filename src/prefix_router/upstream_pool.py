@@ -25,6 +25,8 @@ from prefix_router.tcp import set_nodelay
 BodySink = Callable[[bytes], None]
 _NO_BODY_STATUSES = frozenset({204, 304})
 MAX_HEAD_BYTES = 65536  # a backend's response head; over it the answer is refused (nginx: 4-8 KB buffers)
+# Also the bound on bytes read without a body byte among them (a head, chunk framing, a trailer
+# section): httptools hands a field over only once it ends, so a field that never ends is counted here.
 
 
 class _Refused(Exception):
@@ -48,9 +50,21 @@ class Origin:
         return cls(parts.scheme, parts.hostname or "", port, parts.netloc.encode("latin-1"))
 
 
-def _frames_body(name: bytes, value: bytes) -> bool:
-    """A Content-Length, or chunked coding: the body's end is known without the connection closing."""
-    return name == b"content-length" or (name == b"transfer-encoding" and b"chunked" in value.lower())
+def frames_body(headers: list[tuple[bytes, bytes]]) -> bool:
+    """Whether the body's end is known without the connection closing (RFC 9112 §6.3): with
+    Transfer-Encoding, only when chunked is the final coding of the list its fields make (`chunked,
+    gzip` runs to the close, as llhttp reads it); without it, when there is a Content-Length."""
+    codings: list[bytes] = []
+    has_length = False
+    for name, value in headers:
+        lowered = name.lower()
+        if lowered == b"transfer-encoding":
+            codings += [c.strip().lower() for c in value.split(b",") if c.strip()]
+        elif lowered == b"content-length":
+            has_length = True
+    if codings:
+        return codings[-1] == b"chunked"
+    return has_length
 
 
 class StaleConnection(UpstreamError):
@@ -81,6 +95,7 @@ class Connection(asyncio.Protocol):
         self.status = 0
         self.raw_headers: list[tuple[bytes, bytes]] = []
         self._head_bytes = 0
+        self._bytes_since_body = 0
         self.refusal: str | None = None
         self.head_done = False
         self.complete = False
@@ -186,6 +201,7 @@ class Connection(asyncio.Protocol):
             return
         self._got_bytes = True
         self.last_data = self._loop.time()
+        self._bytes_since_body += len(data)  # on_body sets it back to 0
         error: UpstreamError | None = None
         try:
             self._parser.feed_data(data)
@@ -198,15 +214,24 @@ class Connection(asyncio.Protocol):
             if self.complete:
                 self.close()  # bytes after a whole answer: the answer stands, the connection does not
             elif self.refusal is not None:
-                error = NoAnswer(self.refusal)
+                error = StreamBroken(self.refusal) if self.head_done else NoAnswer(self.refusal)
             elif self.head_done:
                 error = StreamBroken(f"invalid response body from backend: {exc}")
             else:
                 error = NoAnswer(f"invalid response from backend: {exc}")
+        if error is None and self._bytes_since_body > MAX_HEAD_BYTES and not self.complete:
+            # A head or a trailer section still going past the limit: refused now, not at the
+            # first-byte timeout, before the parser holds (and re-copies) any more of it.
+            error = self._refuse("trailer section" if self.head_done else "head")
         if self.buffered and self.sink is not None:
             self.flush_body()
         if error is not None:
             self.fail(error)
+
+    def _refuse(self, part: str) -> UpstreamError:
+        self.keep_alive = False
+        self.refusal = f"backend's response {part} is over {MAX_HEAD_BYTES} bytes"
+        return StreamBroken(self.refusal) if self.head_done else NoAnswer(self.refusal)
 
     def flush_body(self) -> None:
         """Everything one read brought goes to the sink as one piece: one write to the client for
@@ -252,13 +277,13 @@ class Connection(asyncio.Protocol):
             raise _Refused
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if self.head_done:
-            return  # a trailer field: not a header of the answer
+        # Head and trailer section each have the budget (_head_bytes restarts at the head's end).
         self._head_bytes += len(name) + len(value) + 4
         if self._head_bytes > MAX_HEAD_BYTES:
-            self.refusal = f"backend's response head is over {MAX_HEAD_BYTES} bytes"
+            self._refuse("trailer section" if self.head_done else "head")
             raise _Refused
-        self.raw_headers.append((name, value))
+        if not self.head_done:  # a trailer field is not a header of the answer: counted, dropped
+            self.raw_headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         status = self._parser.get_status_code()
@@ -270,13 +295,15 @@ class Connection(asyncio.Protocol):
             return
         self.status = status
         self.keep_alive = self._parser.should_keep_alive()
-        self._has_length = any(_frames_body(name.lower(), v) for name, v in self.raw_headers)
+        self._has_length = frames_body(self.raw_headers)
         self.head_done = True
+        self._head_bytes = 0
         if self._head_only or status in _NO_BODY_STATUSES:
             self.complete = True
         self._wake()
 
     def on_body(self, body: bytes) -> None:
+        self._bytes_since_body = 0
         self.buffered.append(body)  # handed on once the read is parsed (flush_body)
 
     def on_message_complete(self) -> None:

@@ -1,0 +1,539 @@
+"""Many long streams held open through the router: memory per stream, event-loop lag, added delay.
+
+A streaming backend (an SSE event every 50-200 ms per stream, each delay drawn at random, like tokens
+of real generations, ~240-byte events, chunked; a subprocess) and a client that opens --streams
+concurrent streaming requests and holds them (this process), both on the load CPU; prefix-router as a
+subprocess on its own CPU (`prefix-router serve`, limits lifted as below). The same streams run direct
+to the backend, then through the router. During the hold it measures:
+
+- every event's delay from the backend's write to the client's read (each event carries its write time
+  on CLOCK_MONOTONIC, which both processes share), direct and through the router; the router's added
+  delay is the difference of the percentiles;
+- the router's RSS (VmRSS) before the streams and at their peak, and so its memory per stream;
+- the router's event-loop lag, as the latency of /healthz on its main port (answered in the loop),
+  probed every 100 ms on a connection of its own; and this process's own loop lag, which bounds how
+  much of any figure is the load generator's.
+
+Each held stream is a socket in the client, one in the backend and two in the router: RLIMIT_NOFILE is
+raised to fit where the hard limit allows (streams are capped to what it allows, and the cap printed).
+Everything listens on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import random
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from array import array
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import (
+    busy_seconds,
+    cpu_seconds,
+    free_port,
+    markdown_table,
+    package_version,
+    pinned,
+    print_header,
+    start_process,
+    stop_process,
+    wait_for_port,
+    write_results,
+)
+
+# One event: its write time (perf_counter_ns: CLOCK_MONOTONIC, the same in every process) goes in "t".
+EVENT_HEAD = b'data: {"t":'
+EVENT_TAIL = (
+    b',"id":"chatcmpl-long","object":"chat.completion.chunk","created":1700000000,'
+    b'"model":"bench-model","choices":[{"index":0,"delta":{"content":" token"},"finish_reason":null}]}\n\n'
+)
+STREAM_HEAD = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
+    b"transfer-encoding: chunked\r\n\r\n"
+)
+HEALTH_OK = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"
+REQUEST_BODY = (
+    b'{"model":"bench-model","stream":true,"max_tokens":100000,'
+    b'"messages":[{"role":"user","content":"Tell me a long story."}]}'
+)
+ROUTER_ENV = {
+    # One backend takes every stream here: lift the bounds that exist for GPU batches and for a fleet.
+    "PREFIX_ROUTER_BALANCING__MAX_INFLIGHT": "1000000",
+    "PREFIX_ROUTER_UPSTREAM__MAX_CONNECTIONS": "1000000",
+    "PREFIX_ROUTER_UPSTREAM__MAX_CONNECTIONS_PER_BACKEND": "1000000",
+    "PREFIX_ROUTER_SERVER__LOG_LEVEL": "warning",
+}
+
+
+# -- the load: backend and client in one loop, one clock ---------------------------------------------
+
+
+@dataclass
+class Run:
+    """What one phase (direct or router) measured."""
+
+    delays: array[float] = field(default_factory=lambda: array("d"))  # seconds
+    measuring: bool = False
+    heads: int = 0  # streams whose response head arrived
+    events: int = 0
+    ended: int = 0  # client streams that ended before the run closed them
+
+
+class StreamBackend(asyncio.Protocol):
+    """Answers /health, and any other request with an endless SSE stream, one event every 50-200 ms."""
+
+    def __init__(self, rng: random.Random, interval_ms: tuple[float, float]) -> None:
+        self.rng = rng
+        self.lo, self.hi = interval_ms[0] / 1000.0, interval_ms[1] / 1000.0
+        self.transport: asyncio.Transport | None = None
+        self.buf = b""
+        self.timer: asyncio.TimerHandle | None = None
+        self.streaming = False
+        self.loop = asyncio.get_running_loop()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        if self.streaming:
+            return
+        self.buf += data
+        end = self.buf.find(b"\r\n\r\n")
+        if end < 0:
+            return
+        head = self.buf[:end]
+        length = 0
+        for line in head.split(b"\r\n")[1:]:
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        if len(self.buf) < end + 4 + length:
+            return
+        self.buf = self.buf[end + 4 + length :]
+        target = head.split(b" ", 2)[1]
+        assert self.transport is not None
+        if target.startswith(b"/health"):
+            self.transport.write(HEALTH_OK)
+            return
+        self.streaming = True
+        self.transport.write(STREAM_HEAD)
+        self.timer = self.loop.call_later(self.rng.uniform(self.lo, self.hi), self.tick)
+
+    def tick(self) -> None:
+        assert self.transport is not None
+        event = EVENT_HEAD + b"%d" % time.perf_counter_ns() + EVENT_TAIL
+        self.transport.write(b"%x\r\n%b\r\n" % (len(event), event))
+        self.timer = self.loop.call_later(self.rng.uniform(self.lo, self.hi), self.tick)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+
+
+class StreamClient(asyncio.Protocol):
+    """One streaming request; every event's arrival time less the write time it carries."""
+
+    def __init__(self, run: Run, stream: int, port: int) -> None:
+        self.run = run
+        self.stream = stream
+        self.port = port
+        self.transport: asyncio.Transport | None = None
+        self.head_seen = False
+        self.rest = b""  # an event not yet whole
+        self.established: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.transport.write(
+            b"POST /v1/chat/completions?stream=%d HTTP/1.1\r\nhost: 127.0.0.1:%d\r\n"
+            b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
+            % (self.stream, self.port, len(REQUEST_BODY), REQUEST_BODY)
+        )
+
+    def data_received(self, data: bytes) -> None:
+        now = time.perf_counter_ns()
+        if not self.head_seen:
+            end = data.find(b"\r\n\r\n")
+            if end < 0 or not data.startswith(b"HTTP/1.1 200"):
+                raise RuntimeError(f"stream {self.stream}: unexpected answer {data[:200]!r}")
+            self.head_seen = True
+            self.run.heads += 1
+            self.established.set_result(None)
+            data = data[end + 4 :]
+        if self.rest:
+            data = self.rest + data
+        end = data.rfind(b"\n\n")  # events end with a blank line; chunk framing has none
+        whole = end + 2 if end >= 0 else 0
+        self.rest = data[whole:]
+        run = self.run
+        at = data.find(EVENT_HEAD, 0, whole)
+        while at >= 0:
+            start = at + len(EVENT_HEAD)
+            sent = int(data[start : data.find(b",", start)])
+            run.events += 1
+            if run.measuring:
+                run.delays.append((now - sent) / 1e9)
+            at = data.find(EVENT_HEAD, start, whole)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.established.done():
+            self.established.set_exception(ConnectionError(f"stream {self.stream} closed before its head"))
+        if self.transport is not None and not self.transport.is_closing():
+            self.run.ended += 1
+
+
+class HealthProbe(asyncio.Protocol):
+    """GET /healthz, one at a time on one kept-alive connection: its latency is the target's loop lag."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.waiter: asyncio.Future[None] | None = None
+        self.buf = b""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        end = self.buf.find(b"\r\n\r\n")
+        if end < 0 or self.waiter is None:
+            return
+        length = 0
+        for line in self.buf[:end].split(b"\r\n")[1:]:
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        if len(self.buf) >= end + 4 + length:
+            self.buf = self.buf[end + 4 + length :]
+            if not self.waiter.done():
+                self.waiter.set_result(None)
+
+    async def get(self) -> float:
+        assert self.transport is not None
+        self.waiter = asyncio.get_running_loop().create_future()
+        start = time.perf_counter()
+        self.transport.write(b"GET /healthz HTTP/1.1\r\nhost: router\r\n\r\n")
+        await self.waiter
+        return time.perf_counter() - start
+
+
+async def probe_health(port: int, stop: asyncio.Event, out: list[float]) -> None:
+    loop = asyncio.get_running_loop()
+    _, probe = await loop.create_connection(HealthProbe, "127.0.0.1", port)
+    try:
+        while not stop.is_set():
+            out.append(await probe.get())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.1)
+    finally:
+        if probe.transport is not None:
+            probe.transport.close()
+
+
+async def watch_own_lag(stop: asyncio.Event, out: list[float]) -> None:
+    """How late a 10 ms sleep wakes in this process: the load generator's own share of every delay."""
+    while not stop.is_set():
+        start = time.perf_counter()
+        await asyncio.sleep(0.01)
+        out.append(time.perf_counter() - start - 0.01)
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+async def run_phase(
+    name: str, port: int, run: Run, args: argparse.Namespace, backend_pid: int, router_pid: int | None
+) -> dict[str, Any]:
+    """Open --streams streams to `port`, hold them --hold-s seconds while measuring, then close them."""
+    loop = asyncio.get_running_loop()
+    clients: list[asyncio.Transport] = []
+    rss0 = rss_bytes(router_pid) if router_pid else 0
+    ramp_start = time.perf_counter()
+    gate = asyncio.Semaphore(args.connect_concurrency)
+
+    async def open_one(i: int) -> None:
+        # Held until the stream's head arrives: no more than the gate's worth of connections wait in
+        # an accept queue, so none is dropped there and retried a second later.
+        async with gate:
+            transport, client = await loop.create_connection(
+                lambda: StreamClient(run, i, port), "127.0.0.1", port
+            )
+            clients.append(transport)
+            await client.established
+
+    await asyncio.gather(*(open_one(i) for i in range(args.streams)))
+    ramp_s = time.perf_counter() - ramp_start
+    await asyncio.sleep(args.settle_s)
+
+    stop = asyncio.Event()
+    health: list[float] = []
+    own_lag: list[float] = []
+    watchers = [loop.create_task(watch_own_lag(stop, own_lag))]
+    if router_pid:
+        watchers.append(loop.create_task(probe_health(port, stop, health)))
+    rss_peak = rss0
+    events0 = run.events
+    busy0, own0 = busy_seconds(), own_cpu_seconds() + cpu_seconds(backend_pid)
+    router_cpu0 = cpu_seconds(router_pid) if router_pid else 0.0
+    run.measuring = True
+    started = time.perf_counter()
+    while time.perf_counter() - started < args.hold_s:
+        await asyncio.sleep(0.5)
+        if router_pid:
+            rss_peak = max(rss_peak, rss_bytes(router_pid))
+    run.measuring = False
+    held_s = time.perf_counter() - started
+    router_cpu = (cpu_seconds(router_pid) - router_cpu0) if router_pid else 0.0
+    own_cpu = own_cpu_seconds() + cpu_seconds(backend_pid) - own0
+    others = max(0.0, busy_seconds() - busy0 - own_cpu - router_cpu) / held_s
+    fds = open_fds(router_pid) if router_pid else 0
+    stop.set()
+    await asyncio.gather(*watchers)
+    events = run.events - events0
+    ended = run.ended
+    for transport in clients:
+        transport.abort()
+    deadline = loop.time() + 60
+    while router_pid and open_fds(router_pid) > 64 and loop.time() < deadline:  # noqa: ASYNC110
+        await asyncio.sleep(0.1)  # the router closes its side of every stream
+    await asyncio.sleep(1.0)
+
+    delays = sorted(run.delays)
+    ms = 1000.0
+    out: dict[str, Any] = {
+        "name": name,
+        "streams": args.streams,
+        "heads": run.heads,
+        "ended_early": ended,
+        "ramp_s": ramp_s,
+        "events_per_s": events / held_s,
+        "delay_p50_ms": pct(delays, 0.50) * ms,
+        "delay_p99_ms": pct(delays, 0.99) * ms,
+        "delay_p999_ms": pct(delays, 0.999) * ms,
+        "delay_max_ms": delays[-1] * ms if delays else 0.0,
+        "loadgen_lag_p99_ms": pct(sorted(own_lag), 0.99) * ms,
+        "loadgen_cpus": own_cpu / held_s,
+        "router_cpus": router_cpu / held_s,
+        "other_cpus": others,
+    }
+    if router_pid:
+        out.update(
+            router_rss_before_mib=rss0 / 2**20,
+            router_rss_peak_mib=rss_peak / 2**20,
+            router_rss_per_stream_kib=(rss_peak - rss0) / args.streams / 1024,
+            router_fds=fds,
+            router_lag_p50_ms=statistics.median(health) * ms if health else None,
+            router_lag_p99_ms=pct(sorted(health), 0.99) * ms if health else None,
+            router_lag_max_ms=max(health) * ms if health else None,
+            healthz_probes=len(health),
+        )
+    return out
+
+
+def own_cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def pct(ordered: Any, q: float) -> float:
+    if not len(ordered):
+        return 0.0
+    return float(ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))])
+
+
+# -- the run --------------------------------------------------------------------------------------------
+
+
+def raise_fd_limit(needed: int) -> int:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft >= needed:
+        return soft
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (needed, max(hard, needed)))  # root may raise hard
+        return needed
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return hard
+
+
+def start_router(work: Path, backend_port: int, cpus: str | None) -> tuple[Any, int]:
+    port = free_port()
+    exe = shutil.which("prefix-router") or str(Path(sys.executable).parent / "prefix-router")
+    argv = [exe, "serve", "--backend", f"http://127.0.0.1:{backend_port}", "--host", "127.0.0.1"]
+    argv += ["--port", str(port)]
+    proc = start_process(pinned(argv, cpus), work / "prefix-router.log", {**os.environ, **ROUTER_ENV})
+    wait_for_port(port, 30)
+    return proc, port
+
+
+async def serve_backend(port: int, seed: int, interval_ms: tuple[float, float]) -> None:
+    rng = random.Random(seed)
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(
+        lambda: StreamBackend(rng, interval_ms), "127.0.0.1", port, backlog=4096
+    )
+    async with server:
+        await server.serve_forever()
+
+
+def start_backend(work: Path, args: argparse.Namespace) -> tuple[Any, int]:
+    port = free_port()
+    argv = [sys.executable, str(Path(__file__).resolve()), "--serve-backend", str(port)]
+    argv += ["--seed", str(args.seed), "--min-interval-ms", str(args.min_interval_ms)]
+    argv += ["--max-interval-ms", str(args.max_interval_ms)]
+    proc = start_process(pinned(argv, args.load_cpus), work / "backend.log")
+    wait_for_port(port, 30)
+    return proc, port
+
+
+async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
+    work = Path(tempfile.mkdtemp(prefix="long-streams-"))
+    results: list[dict[str, Any]] = []
+    procs = []
+    try:
+        backend, backend_port = start_backend(work, args)
+        procs.append(backend)
+        results.append(await run_phase("direct", backend_port, Run(), args, backend.pid, None))
+        router, router_port = await asyncio.to_thread(start_router, work, backend_port, args.router_cpus)
+        procs.append(router)
+        await asyncio.sleep(1.0)  # its start-up health probe
+        results.append(await run_phase("prefix-router", router_port, Run(), args, backend.pid, router.pid))
+    finally:
+        for proc in reversed(procs):
+            stop_process(proc)
+        shutil.rmtree(work, ignore_errors=True)
+    return results
+
+
+def run_uvloop(main: Any) -> Any:
+    try:
+        import uvloop
+
+        runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
+    except ImportError:
+        runner = asyncio.Runner()
+    with runner:
+        return runner.run(main)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--streams", type=int, default=10_000, help="concurrent streams (default 10,000)")
+    p.add_argument("--hold-s", type=float, default=20.0, help="seconds measured while all are open")
+    p.add_argument("--settle-s", type=float, default=2.0, help="seconds after the ramp before measuring")
+    p.add_argument("--min-interval-ms", type=float, default=50.0, help="shortest gap between events")
+    p.add_argument("--max-interval-ms", type=float, default=200.0, help="longest gap between events")
+    p.add_argument("--connect-concurrency", type=int, default=256, help="connects in flight in the ramp")
+    p.add_argument("--load-cpus", default="0", help="CPUs of this process, backend and client (default 0)")
+    p.add_argument("--router-cpus", default="1", help="CPUs of the router (default 1: one core)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--quick", action="store_true", help="1,000 streams held 5 s: a smoke run")
+    p.add_argument("--no-save", action="store_true", help="do not write benchmarks/results/*.json")
+    p.add_argument("--serve-backend", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.serve_backend is not None:
+        raise_fd_limit(args.streams + 1024)
+        run_uvloop(serve_backend(args.serve_backend, args.seed, (args.min_interval_ms, args.max_interval_ms)))
+        return 0
+    if args.quick:
+        args.streams, args.hold_s = 1000, 5.0
+    if os.cpu_count() == 1 or shutil.which("taskset") is None:
+        args.load_cpus = args.router_cpus = None
+    if args.load_cpus:
+        os.sched_setaffinity(0, {int(c) for c in args.load_cpus.split(",")})
+    # The router holds two sockets a stream, and a few of its own (listeners, the event loop, logs).
+    limit = raise_fd_limit(2 * args.streams + 1024)
+    most = (limit - 64) // 2
+    if args.streams > most:
+        print(f"RLIMIT_NOFILE allows {limit} files a process: {most:,} streams, not {args.streams:,}")
+        args.streams = most
+
+    versions = {
+        "prefix-router": package_version("prefix-router"),
+        "uvloop": package_version("uvloop"),
+        "httptools": package_version("httptools"),
+    }
+    meta = print_header("Long streams held open through the router", versions)
+    results = run_uvloop(main_async(args))
+
+    direct, routed = results
+    print(
+        f"{args.streams:,} streams, an event every {args.min_interval_ms:g}-{args.max_interval_ms:g} ms "
+        f"each, held {args.hold_s:g} s; load on CPU {args.load_cpus}, router on CPU {args.router_cpus}; "
+        f"router env: {' '.join(f'{k}={v}' for k, v in ROUTER_ENV.items())}\n"
+    )
+    rows = [
+        [
+            r["name"],
+            f"{r['heads']:,}",
+            f"{r['ramp_s']:.1f}",
+            f"{r['events_per_s']:,.0f}",
+            f"{r['delay_p50_ms']:.2f}",
+            f"{r['delay_p99_ms']:.2f}",
+            f"{r['delay_p999_ms']:.2f}",
+            f"{r['delay_max_ms']:.1f}",
+            f"{r['loadgen_lag_p99_ms']:.2f}",
+            f"{r['loadgen_cpus']:.2f} / {r['router_cpus']:.2f} / {r['other_cpus']:.2f}",
+        ]
+        for r in results
+    ]
+    head = ["path", "streams open", "ramp s", "events/s", "delay p50 ms", "p99 ms", "p99.9 ms", "max ms"]
+    print(markdown_table([*head, "load-gen lag p99 ms", "CPUs: load-gen / router / others"], rows))
+    added_p50 = routed["delay_p50_ms"] - direct["delay_p50_ms"]
+    added_p99 = routed["delay_p99_ms"] - direct["delay_p99_ms"]
+    print()
+    print(
+        markdown_table(
+            [
+                "router RSS before",
+                "at peak",
+                "per stream",
+                "fds",
+                "loop lag (/healthz) p50",
+                "p99",
+                "max",
+                "added delay p50",
+                "added delay p99",
+            ],
+            [
+                [
+                    f"{routed['router_rss_before_mib']:.0f} MiB",
+                    f"{routed['router_rss_peak_mib']:.0f} MiB",
+                    f"{routed['router_rss_per_stream_kib']:.1f} KiB",
+                    f"{routed['router_fds']:,}",
+                    f"{routed['router_lag_p50_ms']:.2f} ms",
+                    f"{routed['router_lag_p99_ms']:.2f} ms",
+                    f"{routed['router_lag_max_ms']:.1f} ms",
+                    f"{added_p50:+.2f} ms",
+                    f"{added_p99:+.2f} ms",
+                ]
+            ],
+        )
+    )
+    if not args.no_save:
+        payload = {**meta, "args": vars(args), "results": results}
+        print(f"\nresults: {write_results('long_streams', payload)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
