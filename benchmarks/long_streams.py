@@ -89,6 +89,8 @@ class Run:
     heads: int = 0  # streams whose response head arrived
     events: int = 0
     ended: int = 0  # client streams that ended before the run closed them
+    failed: int = 0  # streams refused or closed before their head
+    first_failure: str = ""
 
 
 class StreamBackend(asyncio.Protocol):
@@ -167,7 +169,8 @@ class StreamClient(asyncio.Protocol):
         if not self.head_seen:
             end = data.find(b"\r\n\r\n")
             if end < 0 or not data.startswith(b"HTTP/1.1 200"):
-                raise RuntimeError(f"stream {self.stream}: unexpected answer {data[:200]!r}")
+                self.fail(f"answer {data[:300]!r}")
+                return
             self.head_seen = True
             self.run.heads += 1
             self.established.set_result(None)
@@ -187,9 +190,18 @@ class StreamClient(asyncio.Protocol):
                 run.delays.append((now - sent) / 1e9)
             at = data.find(EVENT_HEAD, start, whole)
 
+    def fail(self, why: str) -> None:
+        if not self.established.done():
+            self.run.failed += 1
+            self.run.first_failure = self.run.first_failure or why
+            self.established.set_result(None)
+        if self.transport is not None:
+            self.transport.abort()
+
     def connection_lost(self, exc: Exception | None) -> None:
         if not self.established.done():
-            self.established.set_exception(ConnectionError(f"stream {self.stream} closed before its head"))
+            self.fail(f"closed before its head ({exc!r})")
+            return
         if self.transport is not None and not self.transport.is_closing():
             self.run.ended += 1
 
@@ -324,6 +336,8 @@ async def run_phase(
         "name": name,
         "streams": args.streams,
         "heads": run.heads,
+        "failed": run.failed,
+        "first_failure": run.first_failure,
         "ended_early": ended,
         "ramp_s": ramp_s,
         "events_per_s": events / held_s,
@@ -485,6 +499,7 @@ def main() -> int:
         [
             r["name"],
             f"{r['heads']:,}",
+            f"{r['failed']:,}",
             f"{r['ramp_s']:.1f}",
             f"{r['events_per_s']:,.0f}",
             f"{r['delay_p50_ms']:.2f}",
@@ -496,8 +511,12 @@ def main() -> int:
         ]
         for r in results
     ]
-    head = ["path", "streams open", "ramp s", "events/s", "delay p50 ms", "p99 ms", "p99.9 ms", "max ms"]
+    head = ["path", "streams open", "refused", "ramp s", "events/s", "delay p50 ms", "p99 ms", "p99.9 ms"]
+    head.append("max ms")
     print(markdown_table([*head, "load-gen lag p99 ms", "CPUs: load-gen / router / others"], rows))
+    for r in results:
+        if r["first_failure"]:
+            print(f"\n{r['name']}: first refused stream: {r['first_failure']}")
     added_p50 = routed["delay_p50_ms"] - direct["delay_p50_ms"]
     added_p99 = routed["delay_p99_ms"] - direct["delay_p99_ms"]
     print()
