@@ -16,7 +16,7 @@ Two measures rank backends for a new prefix:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 
 # A backend whose capacity is not known gets the mean of those that are known (a backend that does
 # not say, or cannot be reached, must not look the roomiest and draw every new prefix), or this
@@ -180,9 +180,6 @@ class FootprintLedgers:
         self._capacity_of.pop(backend_id, None)
         self._ranks.pop(backend_id, None)
         self._shared.pop(backend_id, None)
-
-    def backends(self) -> Iterable[str]:
-        return self._ledgers.keys()
 
     def _evicted(self, blocks: list[int], backend_id: str) -> None:
         if self._on_evict is not None:
