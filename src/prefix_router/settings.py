@@ -180,7 +180,7 @@ class RoutingSettings(_Section):
     bytes_per_token: float = Field(4.0, gt=0)  # key bytes a cached token stands for (~4 for English)
     # Several replicas share prefix owners and footprints through this Redis/Valkey
     # (redis://host:port/db, rediss://, unix://path): one round trip per request at most, and local
-    # routing while it is slow or down. Empty: each replica keeps its own state (shared_state.py).
+    # routing while it is slow or down. Empty: each replica keeps its own state (fleet/shared_state.py).
     shared_state_url: str = ""
     shared_state_timeout_s: float = Field(0.05, gt=0)  # a reply later than this routes from local state
     set_cache_salt: bool = False  # set vLLM's cache_salt from the tenant, overwriting the client's

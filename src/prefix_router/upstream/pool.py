@@ -18,8 +18,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from prefix_router.admission import wake_first
 from prefix_router.errors import ConnectFailed, NoAnswer, StreamBroken, StreamIdleTimeout, UpstreamError
+from prefix_router.placement import wake_first
 from prefix_router.tcp import set_nodelay
 
 BodySink = Callable[[bytes], None]
