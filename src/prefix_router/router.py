@@ -113,7 +113,7 @@ class RouterApp:
             ),
         )
         self.picker = Picker(settings.balance_config(), rng)
-        self.upstream = Upstream(settings.upstream)
+        self.upstream = Upstream(settings.upstream.to_config())
         self.metrics = RouterMetrics(self.registry, self.snapshot)
         m = settings.models
         self.models = ModelDirectory(

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from urllib.parse import urlsplit
 
 from prefix_router.errors import FirstByteTimeout, UpstreamError
-from prefix_router.settings import UpstreamSettings
+from prefix_router.upstream.config import UpstreamConfig
 from prefix_router.upstream.pool import BodySink, Connection, ConnectionBudget, Origin, Pool, StaleConnection
 
 # RFC 9110 §7.6.1 hop-by-hop fields, plus what the relay re-frames itself.
@@ -151,7 +151,7 @@ class UpstreamResponse:
 
 
 class Upstream:
-    def __init__(self, settings: UpstreamSettings) -> None:
+    def __init__(self, settings: UpstreamConfig) -> None:
         self._settings = settings
         self._pools: dict[str, Pool] = {}
         self._budget = ConnectionBudget(settings.max_connections)
