@@ -21,7 +21,8 @@ import orjson
 import pytest
 from vllmkit import BUILD_HINT, SERVED_MODEL, model_dir
 
-from prefix_router.upstream.pool import Connection, Pool
+from prefix_router.upstream.http1 import Connection
+from prefix_router.upstream.pool import Pool
 
 from routerkit import RunningRouter, router_settings, start_router
 
