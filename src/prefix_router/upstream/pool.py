@@ -16,7 +16,8 @@ woken never costs a request its place. What frees something wakes exactly this:
 2. A connection closes (`Connection.close` → `Pool.forget`): this pool's first waiter (a slot of the pool
    is free) and, if it counted against the budget, the budget's first waiter (a slot of the budget is
    free). A connection the budget closed to make room wakes nobody for that room: it is the caller's.
-3. A request woken and then cancelled before it ran hands its wake-up on to the next waiter of its line.
+3. A request woken and then cancelled before it ran hands its wake-up on, so none is lost with it: one
+   woken from the pool's line as in (1), one woken from the budget's line to the budget's next waiter.
    A request cancelled while still waiting was never woken: it leaves a done future in its line, which
    waking skips (`waiters.wake_first`).
 """
@@ -130,7 +131,7 @@ class Pool:
                     if below_own:
                         self.budget.wake_one()
                     else:
-                        wake_first(self.waiters)
+                        self._offer()
                 fut.cancel()
                 raise
 
