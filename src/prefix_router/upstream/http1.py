@@ -57,21 +57,36 @@ _COMPLETE = State.COMPLETE
 _CLOSED = State.CLOSED
 
 
-def frames_body(headers: list[tuple[bytes, bytes]]) -> bool:
-    """Whether the body's end is known without the connection closing (RFC 9112 §6.3): with
-    Transfer-Encoding, only when chunked is the final coding of the list its fields make (`chunked,
-    gzip` runs to the close, as llhttp reads it); without it, when there is a Content-Length."""
-    codings: list[bytes] = []
+class Framing(enum.Enum):
+    """How a response body's end is known (RFC 9112 §6.3)."""
+
+    CONTENT_LENGTH = "content-length"
+    CHUNKED = "chunked"
+    CLOSE_DELIMITED = "close-delimited"  # no Transfer-Encoding, no Content-Length: the close ends it
+    UNFRAMEABLE = "unframeable"  # a transfer coding other than exactly `chunked`: refused
+
+
+def response_framing(headers: list[tuple[bytes, bytes]]) -> Framing:
+    """How a response body with these headers is framed, read the way nginx's upstream module does.
+
+    With Transfer-Encoding, only `chunked` alone is relayable: the relay decodes chunked and drops the
+    field (hop-by-hop), so any other coding (`gzip`, `gzip, chunked`, an unknown one, chunked twice)
+    would reach the client still applied and no longer named. `gzip` alone or `chunked, gzip` would
+    also leave the body to run to the close (§6.3, as llhttp reads it). nginx answers 502 to all of
+    these ("upstream sent unknown Transfer-Encoding"); so does the router. Fields are joined into one
+    list of codings first (§5.3), names and codings case-insensitive."""
+    codings: list[bytes] | None = None
     has_length = False
     for name, value in headers:
         lowered = name.lower()
         if lowered == b"transfer-encoding":
-            codings += [c.strip().lower() for c in value.split(b",") if c.strip()]
+            listed = [c.strip().lower() for c in value.split(b",") if c.strip()]
+            codings = listed if codings is None else codings + listed
         elif lowered == b"content-length":
             has_length = True
-    if codings:
-        return codings[-1] == b"chunked"
-    return has_length
+    if codings is not None:
+        return Framing.CHUNKED if codings == [b"chunked"] else Framing.UNFRAMEABLE
+    return Framing.CONTENT_LENGTH if has_length else Framing.CLOSE_DELIMITED
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +156,7 @@ class Connection(asyncio.Protocol):
         self.refusal: str | None = None
         self._keep_alive = True
         self._head_only = False
-        self._framed = False  # the body's end is known without the close
+        self._framing = Framing.CLOSE_DELIMITED
         self.error: UpstreamError | None = None
         self._answered = False  # the answer was read whole (it stands even if the connection then closes)
         self._buffered: list[bytes] = []
@@ -376,7 +391,7 @@ class Connection(asyncio.Protocol):
             else:
                 self.fail(NoAnswer("backend closed the connection before answering"))
         elif state is _RECEIVING_BODY:
-            if exc is None and not self._framed:
+            if exc is None and self._framing is Framing.CLOSE_DELIMITED:
                 self.on_message_complete()
             else:
                 self.fail(StreamBroken("backend closed the connection mid-body"))
@@ -420,7 +435,13 @@ class Connection(asyncio.Protocol):
             self._answered = True
             self._enter(_COMPLETE)
         else:
-            self._framed = frames_body(self.raw_headers)
+            self._framing = response_framing(self.raw_headers)
+            if self._framing is Framing.UNFRAMEABLE:
+                self._keep_alive = False
+                codings = b", ".join(v for n, v in self.raw_headers if n.lower() == b"transfer-encoding")
+                named = codings.decode("latin-1")
+                self.refusal = f"backend sent a Transfer-Encoding the router cannot relay: {named!r}"
+                raise _Refused
             self._enter(_RECEIVING_BODY)
         self._wake()
 
