@@ -143,7 +143,6 @@ class RouterApp:
         self.draining = False
         self.access_log: JsonAccessLog | None = None
         if settings.server.access_log:
-            access_log.setLevel(logging.INFO)  # shown whatever log_level says: it was asked for
             skip = () if settings.server.access_log_probes else LOCAL_PATHS
             self.access_log = JsonAccessLog(access_log, skip)
         self._known: set[str] = set(b.url for b in self.backends.backends())

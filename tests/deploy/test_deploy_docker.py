@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tomllib
@@ -206,6 +208,42 @@ def test_lock_covers_every_runtime_dependency_of_pyproject() -> None:
     # uvicorn[standard]'s extras are in too, or the image would run without uvloop/httptools.
     for name in ("uvloop", "httptools"):
         assert name in pins, name
+
+
+def test_a_bare_run_of_the_image_says_which_flag_or_variable_to_set(final: Stage, tmp_path: Path) -> None:
+    """`docker run prefix-router` with no backends: the image's own command, on the image's empty config
+    file, must refuse in one line naming --backend and PREFIX_ROUTER_BACKENDS (exit 2), not crash-loop."""
+    command = [*exec_form(final.all("ENTRYPOINT")[-1]), *exec_form(final.all("CMD")[-1])]
+    assert "echo '{}' > /etc/prefix-router/config.yaml" in " ".join(final.all("RUN"))
+    empty = tmp_path / "config.yaml"
+    empty.write_text("{}\n", encoding="utf-8")
+    args = [str(empty) if a == "/etc/prefix-router/config.yaml" else a for a in command[1:]]
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("PREFIX_ROUTER_")}
+    done = subprocess.run(
+        [sys.executable, "-m", "prefix_router", *args], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert done.returncode == 2
+    assert done.stdout == ""
+    (line,) = done.stderr.splitlines()
+    assert (
+        line.startswith("prefix-router: ") and "--backend URL" in line and "PREFIX_ROUTER_BACKENDS=" in line
+    )
+    # ...and the variable it names works: with it set, the same command gets past the backends check
+    # and stops at the next one, a listen port held here.
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        env["PREFIX_ROUTER_BACKENDS"] = "http://127.0.0.1:9,http://127.0.0.1:10"
+        env["PREFIX_ROUTER_SERVER__HOST"] = "127.0.0.1"
+        env["PREFIX_ROUTER_SERVER__PORT"] = str(held.getsockname()[1])
+        done = subprocess.run(
+            [sys.executable, "-m", "prefix_router", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+        )
+    assert done.returncode == 2 and "is in use" in done.stderr, done.stderr
 
 
 def test_dockerfile_installs_the_lock_without_resolving(stages: list[Stage]) -> None:
