@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_router_flags(serve)
 
-    from prefix_router.demo import add_demo_arguments
+    from prefix_router.demo.run import add_demo_arguments
     from prefix_router.sim.cli import add_sim_arguments
 
     demo = sub.add_parser("demo", help="run a simulated vLLM fleet with the router in front (no GPU)")
@@ -120,11 +120,9 @@ def configure_logging(settings: Settings) -> None:
         level=settings.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     if settings.server.access_log:
-        from prefix_router.access_log import LOGGER_NAME, route_to_stdout
+        from prefix_router.ops.access_log import LOGGER_NAME, route_to_stdout
 
-        access = logging.getLogger(LOGGER_NAME)
-        access.setLevel(logging.INFO)  # shown whatever log_level says: it was asked for
-        route_to_stdout(access)
+        route_to_stdout(logging.getLogger(LOGGER_NAME))
 
 
 def fail(message: str, prog: str = "prefix-router") -> int:
@@ -138,20 +136,20 @@ def check_discovery(settings: Settings) -> None:
 
     The missing `kubernetes` extra is named first: without it nothing else about the mode matters.
     """
-    from prefix_router.discovery import build_discovery
+    from prefix_router.fleet.discovery import build_discovery
     from prefix_router.settings import DiscoveryMode
 
     if settings.discovery.mode is DiscoveryMode.KUBERNETES:
-        from prefix_router.discovery.kubernetes import import_kubernetes_client
+        from prefix_router.fleet.discovery.kubernetes import import_kubernetes_client
 
         import_kubernetes_client()
     build_discovery(settings.discovery, ())
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from prefix_router.app import create_app
     from prefix_router.errors import SettingsError
-    from prefix_router.server import PortInUse, bind_sockets, run_loop, serve
+    from prefix_router.router import create_app
+    from prefix_router.runtime import PortInUse, bind_sockets, run_loop, serve
     from prefix_router.settings import DiscoveryMode, load_settings
 
     try:
@@ -200,7 +198,7 @@ def _main(argv: Sequence[str] | None) -> int:
     if args.command == "serve":
         return run_serve(args)
     if args.command == "demo":
-        from prefix_router.demo import run_demo
+        from prefix_router.demo.run import run_demo
 
         return run_demo(args)
     from prefix_router.sim.cli import run_sim

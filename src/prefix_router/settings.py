@@ -32,6 +32,7 @@ from pydantic import (
 
 from prefix_router.errors import SettingsError
 from prefix_router.routing.config import BalanceConfig, FirstPlacement, KeyConfig, KeyMode, Policy, RingKey
+from prefix_router.upstream.config import UpstreamConfig
 
 ENV_PREFIX = "PREFIX_ROUTER_"
 CONFIG_ENV = "PREFIX_ROUTER_CONFIG"  # path of the YAML file, when --config is not given
@@ -426,6 +427,16 @@ class UpstreamSettings(_Section):
     retry_budget_min: int = Field(
         3, ge=0, description="Retries always allowed at once, however few requests are active."
     )
+
+    def to_config(self) -> UpstreamConfig:
+        return UpstreamConfig(
+            connect_timeout_s=self.connect_timeout_s,
+            first_byte_timeout_s=self.first_byte_timeout_s,
+            stream_idle_timeout_s=self.stream_idle_timeout_s,
+            max_connections=self.max_connections,
+            max_connections_per_backend=self.max_connections_per_backend,
+            keepalive_timeout_s=self.keepalive_timeout_s,
+        )
 
 
 class HealthSettings(_Section):

@@ -11,9 +11,9 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 import prefix_router
-from prefix_router.app import ERROR_TABLE
-from prefix_router.backends import BackendSpec
-from prefix_router.metrics import (
+from prefix_router.fleet.backends import BackendSpec
+from prefix_router.frontend.local_routes import ERROR_TABLE
+from prefix_router.ops.metrics import (
     PREFILL_OUTCOMES,
     RETRY_REASONS,
     ROUTER_ERROR_CODES,

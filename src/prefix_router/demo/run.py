@@ -13,7 +13,7 @@ import sys
 from typing import Any
 
 from prefix_router.errors import SettingsError
-from prefix_router.server import PortInUse, bind_sockets, run_loop
+from prefix_router.runtime import PortInUse, bind_sockets, run_loop
 from prefix_router.settings import Settings, load_settings
 from prefix_router.sim.config import SimConfig
 from prefix_router.sim.fleet import SimFleet
@@ -117,8 +117,8 @@ def shown_url(host: str, port: int) -> str:
 
 
 async def _run(args: argparse.Namespace, sockets: list[socket.socket]) -> int:
-    from prefix_router.app import create_app
-    from prefix_router.server import serve
+    from prefix_router.router import create_app
+    from prefix_router.runtime import serve
 
     sim_config = SimConfig()
     async with SimFleet(sim_config, count=args.count) as fleet:
@@ -137,7 +137,7 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"{PROG}: --count must be at least 1", file=sys.stderr)
         return 2
     if getattr(args, "load", False):
-        from prefix_router.demo_load import run_load
+        from prefix_router.demo.load import run_load
 
         return run_loop(run_load(args))  # the router and the fleet there take free ports
     # The router's port is bound before anything is printed, and kept: a taken port is one line, and
