@@ -329,3 +329,23 @@ def test_the_router_closing_a_connection_mid_answer_fails_who_waits() -> None:
         end = w.conn.wait_end()
         w.conn.close()
         assert isinstance(end.exception(), StreamBroken)
+
+
+@pytest.mark.parametrize("coding", [b"gzip", b"gzip, chunked", b"chunked, gzip", b"x-custom"])
+def test_a_body_with_a_transfer_coding_other_than_chunked_alone_is_refused_before_a_byte_of_it(
+    coding: bytes,
+) -> None:
+    with wire() as w:
+        head = w.request()
+        w.feed(OK + b"transfer-encoding: %b\r\n\r\n5\r\nhello\r\n0\r\n\r\n" % coding)
+        refused = head.exception()
+        assert isinstance(refused, NoAnswer) and "Transfer-Encoding" in str(refused)
+        assert w.body == [] and w.conn.is_closed() and w.transport.closed
+
+
+def test_a_head_answer_naming_a_transfer_coding_is_answered_and_reusable() -> None:
+    with wire() as w:
+        head = w.request(head_only=True)
+        w.feed(OK + b"transfer-encoding: gzip, chunked\r\n\r\n")
+        assert head.exception() is None
+        assert w.conn.is_answered() and w.conn.is_reusable()

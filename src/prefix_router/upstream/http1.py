@@ -5,7 +5,7 @@ single cost of a proxied request (README, "Why our own HTTP/1.1"); a relay needs
 general client: one request at a time per connection, bytes in, bytes out, and body chunks pushed to a
 sink as they arrive.
 
-The states, and the only transitions between them (`_enter` is called nowhere else):
+The states, and the only transitions between them (each one a call of `Connection._enter`):
 
     CONNECTING ──connection_made──▶ IDLE ──start──▶ AWAITING_HEAD ──final head──▶ RECEIVING_BODY
                                      ▲                   │ HEAD, 204, 304             │ length reached,
@@ -137,7 +137,7 @@ class Connection(asyncio.Protocol):
         self._loop = loop
         self.origin = origin
         self._on_close = on_close
-        self.state = _CONNECTING
+        self._state = _CONNECTING
         self.transport: asyncio.Transport | None = None
         self._parser = httptools.HttpResponseParser(self)
         self.requests = 0  # requests written on this connection, the current one included
@@ -167,22 +167,26 @@ class Connection(asyncio.Protocol):
         self._got_bytes = False
 
     def __repr__(self) -> str:
-        return f"<Connection {self.origin} {self.state.value} requests={self.requests}>"
+        return f"<Connection {self.origin} {self._state.value} requests={self.requests}>"
+
+    @property
+    def state(self) -> State:
+        return self._state
 
     def _enter(self, state: State) -> None:
-        self.state = state
+        self._state = state
 
     # -- predicates ------------------------------------------------------------------------------
 
     def is_closed(self) -> bool:
-        return self.state is _CLOSED
+        return self._state is _CLOSED
 
     def is_idle(self) -> bool:
-        return self.state is _IDLE
+        return self._state is _IDLE
 
     def has_head(self) -> bool:
         """The final answer's head is read (status and raw_headers hold it)."""
-        return self.state is _RECEIVING_BODY or self._answered
+        return self._state is _RECEIVING_BODY or self._answered
 
     def is_answered(self) -> bool:
         """The answer was read whole, whatever happened to the connection after."""
@@ -191,7 +195,7 @@ class Connection(asyncio.Protocol):
     def is_reusable(self) -> bool:
         """It may carry another request: the answer read whole, both ends keeping the connection, and
         no bytes left unread under a paused transport."""
-        return self.state is _COMPLETE and self._keep_alive and not self._reading_paused
+        return self._state is _COMPLETE and self._keep_alive and not self._reading_paused
 
     # -- the request -----------------------------------------------------------------------------
 
@@ -201,7 +205,7 @@ class Connection(asyncio.Protocol):
         self._reset()
         self._head_only = head_only
         transport = self.transport
-        if self.state is not _IDLE or transport is None or transport.is_closing():
+        if self._state is not _IDLE or transport is None or transport.is_closing():
             if self.requests:
                 self.error = StaleConnection(
                     "kept-alive connection closed before the request was sent", sent=False
@@ -235,7 +239,7 @@ class Connection(asyncio.Protocol):
         fut = self._loop.create_future()
         if self.error is not None:
             fut.set_exception(self.error)
-        elif self.state is not leaving:
+        elif self._state is not leaving:
             fut.set_result(None)  # already past that step
         else:
             self._waiter = fut
@@ -273,12 +277,12 @@ class Connection(asyncio.Protocol):
     def close(self) -> None:
         """Any state → CLOSED. A request in flight fails: who waits on it is told the router closed it."""
         self.unwatch_idle()
-        if self.state is _CLOSED:
+        if self._state is _CLOSED:
             return
         if self.error is None:
-            if self.state is _AWAITING_HEAD:
+            if self._state is _AWAITING_HEAD:
                 self.error = NoAnswer("connection closed by the router before the answer")
-            elif self.state is _RECEIVING_BODY:
+            elif self._state is _RECEIVING_BODY:
                 self.error = StreamBroken("connection closed by the router mid-body")
         self._enter(_CLOSED)
         if self.transport is not None:
@@ -288,12 +292,12 @@ class Connection(asyncio.Protocol):
 
     def pause_reading(self) -> None:
         """The client reads slower than the backend writes: let TCP push back on the backend."""
-        if not self._reading_paused and self.transport is not None and self.state is not _CLOSED:
+        if not self._reading_paused and self.transport is not None and self._state is not _CLOSED:
             self._reading_paused = True
             self.transport.pause_reading()
 
     def resume_reading(self) -> None:
-        if self._reading_paused and self.transport is not None and self.state is not _CLOSED:
+        if self._reading_paused and self.transport is not None and self._state is not _CLOSED:
             self._reading_paused = False
             self.transport.resume_reading()
 
@@ -309,7 +313,7 @@ class Connection(asyncio.Protocol):
 
     def _check_idle(self) -> None:
         self._idle_timer = None
-        if self.state is not _RECEIVING_BODY:
+        if self._state is not _RECEIVING_BODY:
             return
         now = self._loop.time()
         if self._reading_paused:
@@ -325,13 +329,13 @@ class Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         set_nodelay(transport)
-        if self.state is _CONNECTING:
+        if self._state is _CONNECTING:
             self._enter(_IDLE)
         else:  # closed while the handshake ran (the connect was cancelled)
             transport.close()
 
     def data_received(self, data: bytes) -> None:
-        state = self.state
+        state = self._state
         if state is not _RECEIVING_BODY and state is not _AWAITING_HEAD:
             self.close()  # bytes nobody asked for: the connection cannot be trusted for another request
             return
@@ -384,7 +388,7 @@ class Connection(asyncio.Protocol):
         sink(data)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        state = self.state
+        state = self._state
         if state is _AWAITING_HEAD:
             if self.requests > 1 and not self._got_bytes:
                 self.fail(StaleConnection("kept-alive connection closed by the backend", sent=True))
@@ -406,7 +410,7 @@ class Connection(asyncio.Protocol):
     # -- httptools callbacks ---------------------------------------------------------------------
 
     def on_message_begin(self) -> None:
-        if self.state is not _AWAITING_HEAD:
+        if self._state is not _AWAITING_HEAD:
             # A second answer to one request: never relayed, and the connection is not reused.
             self._keep_alive = False
             raise _Refused
@@ -417,7 +421,7 @@ class Connection(asyncio.Protocol):
         if self._head_bytes > MAX_HEAD_BYTES:
             self._refuse("trailer section" if self.has_head() else "head")
             raise _Refused
-        if self.state is _AWAITING_HEAD:  # a trailer field is not a header of the answer: counted, dropped
+        if self._state is _AWAITING_HEAD:  # a trailer field is not a header of the answer: counted, dropped
             self.raw_headers.append((name, value))
 
     def on_headers_complete(self) -> None:
@@ -446,14 +450,14 @@ class Connection(asyncio.Protocol):
         self._wake()
 
     def on_body(self, body: bytes) -> None:
-        if self.state is not _RECEIVING_BODY:
+        if self._state is not _RECEIVING_BODY:
             self._keep_alive = False  # body bytes after a HEAD answer's head: nobody asked for them
             raise _Refused
         self._bytes_since_body = 0
         self._buffered.append(body)  # handed on once the read is parsed (_flush_body)
 
     def on_message_complete(self) -> None:
-        if self.state is not _RECEIVING_BODY:
+        if self._state is not _RECEIVING_BODY:
             return  # the end of an interim 1xx answer (or of a HEAD answer the parser read a body for)
         self._answered = True
         self._enter(_COMPLETE)
