@@ -18,7 +18,7 @@ import prometheus_client
 from prometheus_client import generate_latest
 
 from _common import markdown_table, package_version, print_header, write_results
-from prefix_router.app import create_app
+from prefix_router.router import create_app
 from prefix_router.settings import load_settings
 
 

@@ -46,9 +46,7 @@ from _common import (
     write_results,
 )
 from prefix_router import __version__
-from prefix_router.sim.config import SimConfig
-from prefix_router.sim.fleet import SimFleet
-from prefix_router.sim.loadgen import (
+from prefix_router.loadgen.drivers import (
     RequestResult,
     RunSummary,
     client_session,
@@ -58,7 +56,9 @@ from prefix_router.sim.loadgen import (
     snapshot,
     summarise,
 )
-from prefix_router.sim.workloads import Workload, hot_prefix, oracle_hit_rate
+from prefix_router.loadgen.workloads import Workload, hot_prefix, oracle_hit_rate
+from prefix_router.sim.config import SimConfig
+from prefix_router.sim.fleet import SimFleet
 
 REPLICAS = 3
 BACKENDS = 4

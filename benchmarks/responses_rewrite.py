@@ -23,8 +23,14 @@ import orjson
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import markdown_table, package_version, print_header, write_results
-from prefix_router.app import create_app
-from prefix_router.responses_ids import RESPONSES_PATH, StreamRewriter, backend_tag, encode_id, rewrite_ids
+from prefix_router.router import create_app
+from prefix_router.routing.response_ids import (
+    RESPONSES_PATH,
+    StreamRewriter,
+    backend_tag,
+    encode_id,
+    rewrite_ids,
+)
 from prefix_router.settings import load_settings
 
 BACKENDS = [f"http://10.0.0.{i}:8000" for i in range(1, 9)]

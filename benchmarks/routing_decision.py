@@ -31,12 +31,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import BackgroundMeter, markdown_table, package_version, print_header, write_results
-from prefix_router.backends import BackendSet, BackendSpec, HealthPolicy
+from prefix_router.fleet.backends import BackendSet, BackendSpec, HealthPolicy
 from prefix_router.routing.keys import RoutingKey, extract_key
 from prefix_router.routing.load import LoadTracker
 from prefix_router.routing.picker import Candidates, Picker
 from prefix_router.routing.ring import HashRing, Member
-from prefix_router.server import tune_gc
+from prefix_router.runtime import tune_gc
 from prefix_router.settings import Settings
 
 CHAT = "/v1/chat/completions"

@@ -21,7 +21,7 @@ What a user sees, not one lucky layout:
   driver alternates requests over them), and `--replicas-shared` ours with
   `routing.shared_state_url` on a loopback redis-server this script starts;
 - the peer in the same run: SGLang's `cache_aware`, and the LRU oracle (the best any placement could
-  do if requests were served one after another; see `prefix_router.sim.workloads`).
+  do if requests were served one after another; see `prefix_router.loadgen.workloads`).
 
 The hit rate is the backends' own prefix-cache counters. Per workload: a markdown table (mean and
 worst over layouts of hit rate, hit rate / oracle, hit rate - SGLang's, TTFT p50/p99, max/mean load)
@@ -68,17 +68,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import RESULTS_DIR, free_port, package_version, print_header, stop_process, wait_for_port
 from prefix_router import __version__
-from prefix_router.sim.config import SimConfig
-from prefix_router.sim.fleet import SimFleet
-from prefix_router.sim.loadgen import RunSummary, Target, balanced_placement, client_session, measure
-from prefix_router.sim.traces import (
+from prefix_router.loadgen.drivers import RunSummary, Target, balanced_placement, client_session, measure
+from prefix_router.loadgen.traces import (
     TraceError,
     guess_block_tokens,
     guess_time_unit_s,
     read_trace,
     trace_workload,
 )
-from prefix_router.sim.workloads import (
+from prefix_router.loadgen.workloads import (
     DEFAULT_MODEL,
     Workload,
     distinct_blocks,
@@ -93,6 +91,8 @@ from prefix_router.sim.workloads import (
     shared_system,
     tenants,
 )
+from prefix_router.sim.config import SimConfig
+from prefix_router.sim.fleet import SimFleet
 
 MAX_NUM_SEQS = 8  # per simulated backend; the router's max_inflight is twice this
 ROUTER_MAX_INFLIGHT = 16

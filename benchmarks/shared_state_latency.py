@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import free_port, markdown_table, package_version, print_header, wait_for_port, write_results
 from prefix_router import __version__
+from prefix_router.fleet.shared_state import SharedPlacement
 from prefix_router.routing.shared_view import ClaimRequest
-from prefix_router.shared_state import SharedPlacement
 
 HERE = Path(__file__).resolve().parent
 CHAT = "/v1/chat/completions"

@@ -8,8 +8,8 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
-from prefix_router.app import RouterApp, create_app
-from prefix_router.server import RouterServer, SideServer, side_config
+from prefix_router.router import RouterApp, create_app
+from prefix_router.runtime import RouterServer, SideServer, side_config
 from prefix_router.settings import Settings, load_settings
 
 from fakebackend import FakeBackend

@@ -1,8 +1,10 @@
-"""The module map holds: routing/ is pure, and only the CLI and the demo reach into sim/."""
+"""The module map holds: routing/ is pure, each plane imports only what docs/architecture.md allows,
+and every module is on the map."""
 
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -11,6 +13,7 @@ import pytest
 import prefix_router
 
 PACKAGE_DIR = Path(prefix_router.__file__).parent
+MAP_FILE = Path(__file__).resolve().parent.parent / "docs" / "architecture.md"
 ROUTING_DIR = PACKAGE_DIR / "routing"
 
 ROUTING_MAY_IMPORT = {"xxhash", "orjson", "msgspec"}  # pure, no I/O: hashing, JSON encode, JSON parse
@@ -33,8 +36,6 @@ NEVER_IN_ROUTING = {
     "http",
     "os",
 }
-# The CLI and the demo run the simulated fleet; demo_load.py is the demo's load generator.
-MAY_IMPORT_SIM = {"cli.py", "demo.py", "demo_load.py"}
 
 
 def _module_name(source: Path) -> str:
@@ -113,7 +114,7 @@ def test_routing_allow_list_rejects_what_it_should() -> None:
     # The checker itself must be able to fail.
     for name in ("asyncio", "fastapi.routing", "aiohttp", "httpx", "prometheus_client", "pydantic"):
         assert not _routing_allows(name)
-    for name in ("uvicorn", "socket", "prefix_router.backends", "prefix_router.sim.fleet", "numpy"):
+    for name in ("uvicorn", "socket", "prefix_router.fleet.backends", "prefix_router.sim.fleet", "numpy"):
         assert not _routing_allows(name)
     for name in ("bisect", "xxhash", "orjson", "prefix_router.routing.ring", "__future__", "collections.abc"):
         assert _routing_allows(name)
@@ -133,29 +134,192 @@ def test_checker_sees_relative_nested_and_dynamic_imports() -> None:
     assert not all(_routing_allows(m) for m in names)
 
 
-def _imports_sim(module: str) -> bool:
-    return module == "prefix_router.sim" or module.startswith("prefix_router.sim.")
+# Each plane (a top-level module or folder of the package) and the planes it may import besides itself.
+# docs/architecture.md states the same table and why; change both together.
+EVERYTHING = "*"
+PLANE_MAY_IMPORT: dict[str, set[str] | str] = {
+    "routing": set(),
+    "errors": set(),
+    "tcp": set(),
+    "waiters": set(),
+    "frontend": {"errors", "tcp"},
+    "upstream": {"errors", "tcp", "waiters"},
+    "placement": {"errors", "routing", "waiters", "fleet"},
+    "fleet": {"errors", "routing", "settings", "upstream"},
+    "ops": {"errors", "routing", "fleet", "frontend", "__init__"},
+    "relay": {
+        "errors",
+        "routing",
+        "settings",
+        "frontend",
+        "upstream",
+        "placement",
+        "fleet",
+        "ops",
+        "waiters",
+    },
+    "settings": {"errors", "routing", "upstream"},
+    "router": {
+        "__init__",
+        "errors",
+        "routing",
+        "settings",
+        "frontend",
+        "upstream",
+        "placement",
+        "relay",
+        "fleet",
+        "ops",
+        "tcp",
+        "waiters",
+    },
+    "runtime": {
+        "__init__",
+        "errors",
+        "routing",
+        "settings",
+        "frontend",
+        "upstream",
+        "placement",
+        "relay",
+        "fleet",
+        "ops",
+        "router",
+        "tcp",
+        "waiters",
+    },
+    "cli": EVERYTHING,
+    "demo": EVERYTHING,
+    "__main__": {"cli"},
+    "__init__": set(),
+    "sim": set(),
+    "loadgen": {"sim"},
+}
+# Checked over the transitive closure of our own imports: these planes stay free of the web framework and
+# the metrics client, so another front end or transport can reuse them.
+FRAMEWORK_FREE = {"frontend", "upstream", "placement"}
+FRAMEWORKS = {"fastapi", "starlette", "uvicorn", "prometheus_client", "pydantic", "pydantic_settings"}
+
+ALL_SOURCES = sorted(PACKAGE_DIR.rglob("*.py"))
 
 
-OUTSIDE_SIM = sorted(
-    p
-    for p in PACKAGE_DIR.rglob("*.py")
-    if "sim" not in p.relative_to(PACKAGE_DIR).parts[:1]
-    and p.relative_to(PACKAGE_DIR).as_posix() not in MAY_IMPORT_SIM
-)
+def plane_of(module: str) -> str:
+    """`prefix_router.fleet.health` -> `fleet`; `prefix_router` itself -> `__init__`."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
 
 
-def test_outside_sim_list_is_sane() -> None:
-    rel = {p.relative_to(PACKAGE_DIR).as_posix() for p in OUTSIDE_SIM}
-    assert "proxy.py" in rel
-    assert "routing/keys.py" in rel
-    assert not any(r.startswith("sim/") for r in rel)
-    assert not rel & MAY_IMPORT_SIM
+def _ours(module: str) -> bool:
+    return module == "prefix_router" or module.startswith("prefix_router.")
+
+
+def resolve(name: str) -> str:
+    """The module a name imports from: `prefix_router.__version__` is the package's attribute."""
+    while "." in name and _source_of(name) is None:
+        name = name.rpartition(".")[0]
+    return name
+
+
+def plane_allows(importer: str, imported: str) -> bool:
+    here, there = plane_of(importer), plane_of(resolve(imported))
+    if here == there:
+        return True
+    allowed = PLANE_MAY_IMPORT[here]
+    return allowed == EVERYTHING or there in allowed
 
 
 @pytest.mark.parametrize(
-    "source", [pytest.param(p, id=p.relative_to(PACKAGE_DIR).as_posix()) for p in OUTSIDE_SIM]
+    "source", [pytest.param(p, id=p.relative_to(PACKAGE_DIR).as_posix()) for p in ALL_SOURCES]
 )
-def test_core_never_imports_sim(source: Path) -> None:
-    bad = sorted(m for m in imported_modules(source) if _imports_sim(m))
-    assert not bad, f"{source.relative_to(PACKAGE_DIR)} imports {bad}"
+def test_module_imports_only_what_its_plane_may(source: Path) -> None:
+    module = _module_name(source)
+    assert plane_of(module) in PLANE_MAY_IMPORT, f"{module} is in no plane: add it to PLANE_MAY_IMPORT"
+    bad = sorted(m for m in imported_modules(source) if _ours(m) and not plane_allows(module, m))
+    assert not bad, f"{source.relative_to(PACKAGE_DIR)} ({plane_of(module)}) imports {bad}"
+
+
+def _source_of(module: str) -> Path | None:
+    rel = Path(*module.split(".")[1:])
+    for candidate in (PACKAGE_DIR / rel.with_suffix(".py"), PACKAGE_DIR / rel / "__init__.py"):
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def transitive_imports(source: Path) -> set[str]:
+    """Everything `source` imports, following our own modules (what loading it loads)."""
+    seen: set[Path] = set()
+    found: set[str] = set()
+    todo = [source]
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        for name in imported_modules(path):
+            found.add(name)
+            if _ours(name):
+                target = _source_of(name)
+                if target is not None:
+                    todo.append(target)
+    return found
+
+
+FRAMEWORK_FREE_SOURCES = [p for p in ALL_SOURCES if plane_of(_module_name(p)) in FRAMEWORK_FREE]
+
+
+@pytest.mark.parametrize(
+    "source", [pytest.param(p, id=p.relative_to(PACKAGE_DIR).as_posix()) for p in FRAMEWORK_FREE_SOURCES]
+)
+def test_data_path_planes_load_no_framework(source: Path) -> None:
+    bad = sorted(m for m in transitive_imports(source) if _top(m) in FRAMEWORKS)
+    assert not bad, f"{source.relative_to(PACKAGE_DIR)} loads {bad}"
+
+
+def test_plane_rules_reject_what_they_should() -> None:
+    # The checker itself must be able to fail.
+    assert not plane_allows("prefix_router.placement", "prefix_router.frontend.http1")
+    assert not plane_allows("prefix_router.placement", "prefix_router.upstream.client")
+    assert not plane_allows("prefix_router.fleet.health", "prefix_router.relay")
+    assert not plane_allows("prefix_router.fleet.backends", "prefix_router.placement")
+    assert not plane_allows("prefix_router.upstream.pool", "prefix_router.placement")
+    assert not plane_allows("prefix_router.relay", "prefix_router.router")
+    assert not plane_allows("prefix_router.sim.server", "prefix_router.routing.ring")
+    assert not plane_allows("prefix_router.routing.keys", "prefix_router.errors")
+    assert plane_allows("prefix_router.router", "prefix_router.relay")
+    assert plane_allows("prefix_router.demo.run", "prefix_router.sim.fleet")
+    assert plane_allows("prefix_router.ops.metrics", "prefix_router.__version__")
+    assert not plane_allows("prefix_router.fleet.backends", "prefix_router.__version__")
+    assert {"frontend", "upstream", "placement"} <= FRAMEWORK_FREE_SOURCES_PLANES
+
+
+FRAMEWORK_FREE_SOURCES_PLANES = {plane_of(_module_name(p)) for p in FRAMEWORK_FREE_SOURCES}
+
+
+def test_transitive_check_sees_what_a_module_loads() -> None:
+    # settings.py uses pydantic: anything that imports it loads pydantic.
+    loaded = transitive_imports(PACKAGE_DIR / "fleet" / "health.py")
+    assert "pydantic" in {_top(m) for m in loaded}
+
+
+def mapped_paths(text: str) -> set[str]:
+    """Module paths named in the first column of the module map's table."""
+    section = text.split("## Module map", 1)[1].split("\n## ", 1)[0]
+    return set(re.findall(r"^\| `([\w/]+\.py)` \|", section, flags=re.MULTILINE))
+
+
+def test_every_module_is_on_the_map() -> None:
+    on_disk = {p.relative_to(PACKAGE_DIR).as_posix() for p in ALL_SOURCES}
+    mapped = mapped_paths(MAP_FILE.read_text())
+    assert not on_disk - mapped, f"missing from docs/architecture.md: {sorted(on_disk - mapped)}"
+    assert not mapped - on_disk, (
+        f"docs/architecture.md names modules that do not exist: {sorted(mapped - on_disk)}"
+    )
+
+
+def test_map_reader_reads_the_table() -> None:
+    text = (
+        "# x\n## Module map\n\n| module | job |\n|---|---|\n"
+        "| `a.py` | one |\n| `b/c.py` | two |\n## Next\n| `d.py` | no |\n"
+    )
+    assert mapped_paths(text) == {"a.py", "b/c.py"}

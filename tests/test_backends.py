@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from prefix_router.backends import BackendSet, BackendSpec, HealthPolicy, HealthState
+from prefix_router.fleet.backends import BackendSet, BackendSpec, HealthPolicy, HealthState
 from prefix_router.routing.hashing import hash_bytes
 from prefix_router.routing.load import LoadTracker
 

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefix_router.backends import BackendSet, BackendSpec, HealthPolicy
 from prefix_router.errors import ModelNotFound
-from prefix_router.models import AdapterPolicy, ModelCard, ModelDirectory, parse_model_list
+from prefix_router.fleet.backends import BackendSet, BackendSpec, HealthPolicy
+from prefix_router.fleet.models import AdapterPolicy, ModelCard, ModelDirectory, parse_model_list
 
 A, B, C, D = (f"http://10.0.0.{i}:8000" for i in range(1, 5))
 LLAMA, OTHER, LORA = "sim-llama", "other-llama", "sql-lora"

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from prefix_router.responses_ids import (
+from prefix_router.routing.response_ids import (
     BackendTags,
     StreamRewriter,
     backend_tag,

@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the router in front of real backends")
     _add_router_flags(serve)
 
-    from prefix_router.demo import add_demo_arguments
+    from prefix_router.demo.run import add_demo_arguments
     from prefix_router.sim.cli import add_sim_arguments
 
     demo = sub.add_parser("demo", help="run a simulated vLLM fleet with the router in front (no GPU)")
@@ -108,13 +108,13 @@ def load_or_exit(args: argparse.Namespace, extra: dict[str, Any] | None = None) 
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from prefix_router.app import create_app
-    from prefix_router.server import run_loop, serve
+    from prefix_router.router import create_app
+    from prefix_router.runtime import run_loop, serve
 
     settings = load_or_exit(args)
     configure_logging(settings.server.log_level)
     if settings.server.access_log:
-        from prefix_router.access_log import LOGGER_NAME, route_to_stdout
+        from prefix_router.ops.access_log import LOGGER_NAME, route_to_stdout
 
         route_to_stdout(logging.getLogger(LOGGER_NAME))
     if not settings.backends and settings.discovery.mode.value == "static":
@@ -134,7 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "serve":
         return run_serve(args)
     if args.command == "demo":
-        from prefix_router.demo import run_demo
+        from prefix_router.demo.run import run_demo
 
         return run_demo(args)
     from prefix_router.sim.cli import run_sim

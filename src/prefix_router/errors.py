@@ -1,4 +1,4 @@
-"""One exception tree for the router; HTTP statuses are chosen only in app.py / proxy.py's table.
+"""One exception tree for the router; HTTP statuses are chosen only in router.py / relay.py's table.
 
 RouterError
 ├── SettingsError          configuration rejected at start-up (exit 2)

@@ -30,6 +30,7 @@ from pydantic_settings import (
 
 from prefix_router.errors import SettingsError
 from prefix_router.routing.config import BalanceConfig, FirstPlacement, KeyConfig, KeyMode, Policy, RingKey
+from prefix_router.upstream.config import UpstreamConfig
 
 ENV_PREFIX = "PREFIX_ROUTER_"
 CONFIG_ENV = "PREFIX_ROUTER_CONFIG"  # path of the YAML file, when --config is not given
@@ -180,7 +181,7 @@ class RoutingSettings(_Section):
     bytes_per_token: float = Field(4.0, gt=0)  # key bytes a cached token stands for (~4 for English)
     # Several replicas share prefix owners and footprints through this Redis/Valkey
     # (redis://host:port/db, rediss://, unix://path): one round trip per request at most, and local
-    # routing while it is slow or down. Empty: each replica keeps its own state (shared_state.py).
+    # routing while it is slow or down. Empty: each replica keeps its own state (fleet/shared_state.py).
     shared_state_url: str = ""
     shared_state_timeout_s: float = Field(0.05, gt=0)  # a reply later than this routes from local state
     set_cache_salt: bool = False  # set vLLM's cache_salt from the tenant, overwriting the client's
@@ -229,6 +230,16 @@ class UpstreamSettings(_Section):
     max_attempts: int = Field(3, ge=1, le=10)  # first try included
     retry_budget_ratio: float = Field(0.2, ge=0, le=1)  # retries at once, as a share of active requests
     retry_budget_min: int = Field(3, ge=0)  # retries always allowed at once, however few are active
+
+    def to_config(self) -> UpstreamConfig:
+        return UpstreamConfig(
+            connect_timeout_s=self.connect_timeout_s,
+            first_byte_timeout_s=self.first_byte_timeout_s,
+            stream_idle_timeout_s=self.stream_idle_timeout_s,
+            max_connections=self.max_connections,
+            max_connections_per_backend=self.max_connections_per_backend,
+            keepalive_timeout_s=self.keepalive_timeout_s,
+        )
 
 
 class HealthSettings(_Section):

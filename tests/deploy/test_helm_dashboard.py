@@ -109,7 +109,7 @@ def test_dashboard_queries_only_metrics_the_router_exports(dashboard: dict[str, 
     """Build the router's metrics on a fresh registry and compare family names with the dashboard's."""
     from prometheus_client import CollectorRegistry
 
-    from prefix_router.metrics import FleetSnapshot, RouterMetrics
+    from prefix_router.ops.metrics import FleetSnapshot, RouterMetrics
 
     registry = CollectorRegistry()
     RouterMetrics(registry, lambda: FleetSnapshot(backends=[], ejection_cap_active=False))

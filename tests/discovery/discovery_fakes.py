@@ -19,8 +19,8 @@ import dns.rrset
 import pytest
 from aiohttp import web
 
-from prefix_router.backends import BackendSpec
-from prefix_router.discovery import Discovery
+from prefix_router.fleet.backends import BackendSpec
+from prefix_router.fleet.discovery import Discovery
 
 SERVICE_NAME = "vllm.prefix-router.test."  # never resolved anywhere but the fake DNS server
 NAMESPACE = "inference"

@@ -19,8 +19,8 @@ from discovery_fakes import (
     wait_until,
 )
 
-from prefix_router.backends import BackendSet, BackendSpec, HealthPolicy, HealthState
-from prefix_router.discovery import DnsDiscovery, build_discovery
+from prefix_router.fleet.backends import BackendSet, BackendSpec, HealthPolicy, HealthState
+from prefix_router.fleet.discovery import DnsDiscovery, build_discovery
 from prefix_router.settings import DiscoveryMode, DiscoverySettings
 
 KEY_COUNT = 20_000

@@ -7,8 +7,8 @@ import logging
 import pytest
 from discovery_fakes import SERVICE_NAME, AppliedSets, FakeDnsServer, running, wait_until
 
-from prefix_router.backends import BackendSpec
-from prefix_router.discovery import DnsDiscovery, build_discovery
+from prefix_router.fleet.backends import BackendSpec
+from prefix_router.fleet.discovery import DnsDiscovery, build_discovery
 from prefix_router.settings import DiscoveryMode, DiscoverySettings
 
 
@@ -73,7 +73,7 @@ async def test_failed_or_empty_lookup_keeps_the_last_set(
 ) -> None:
     dns_server.records = {"A": ["192.0.2.10"], "AAAA": ["2001:db8::1"]}
     applied = AppliedSets()
-    caplog.set_level(logging.WARNING, logger="prefix_router.discovery.dns")
+    caplog.set_level(logging.WARNING, logger="prefix_router.fleet.discovery.dns")
     async with running(make_discovery(dns_server), applied):
         await wait_until(lambda: applied.last is not None)
         known = applied.last

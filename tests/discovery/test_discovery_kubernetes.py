@@ -21,9 +21,9 @@ from discovery_fakes import (
     wait_until,
 )
 
-from prefix_router.discovery import Discovery, build_discovery
-from prefix_router.discovery.kubernetes import read_pod_namespace
 from prefix_router.errors import SettingsError
+from prefix_router.fleet.discovery import Discovery, build_discovery
+from prefix_router.fleet.discovery.kubernetes import read_pod_namespace
 from prefix_router.settings import DiscoveryMode, DiscoverySettings
 
 

@@ -14,7 +14,7 @@ import httptools
 import httpx
 import pytest
 
-from prefix_router.upstream_pool import frames_body
+from prefix_router.upstream.pool import frames_body
 
 from rawbackend import RawConn, RawRequest, Start
 

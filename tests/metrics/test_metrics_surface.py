@@ -11,9 +11,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 import prefix_router
-from prefix_router.app import ERROR_TABLE
-from prefix_router.backends import BackendSpec
-from prefix_router.metrics import (
+from prefix_router.fleet.backends import BackendSpec
+from prefix_router.ops.metrics import (
     PREFILL_OUTCOMES,
     RETRY_REASONS,
     ROUTER_ERROR_CODES,
@@ -22,6 +21,7 @@ from prefix_router.metrics import (
     FleetSnapshot,
     RouterMetrics,
 )
+from prefix_router.router import ERROR_TABLE
 from prefix_router.routing.picker import Branch
 
 from routerkit import RunningRouter, eventually, free_socket, router_settings

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp import web
 
-from prefix_router.kv_capacity import parse_kv_capacity_tokens
+from prefix_router.fleet.kv_capacity import parse_kv_capacity_tokens
 
 from routerkit import eventually, router_settings
 

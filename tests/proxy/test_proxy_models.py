@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
-from prefix_router.app import create_app
-from prefix_router.backends import BackendSpec
+from prefix_router.fleet.backends import BackendSpec
+from prefix_router.router import create_app
 from prefix_router.sim.config import SimConfig
 from prefix_router.sim.fleet import SimBackend
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import orjson
 
-from prefix_router.responses_ids import backend_tag, encode_id
+from prefix_router.routing.response_ids import backend_tag, encode_id
 
 from routerkit import router_settings
 

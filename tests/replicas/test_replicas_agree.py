@@ -18,7 +18,7 @@ import aiohttp
 import orjson
 import pytest
 
-from prefix_router.app import RouterApp, create_app
+from prefix_router.router import RouterApp, create_app
 from prefix_router.routing.keys import RoutingKey, extract_key
 from prefix_router.routing.picker import Branch
 

@@ -17,7 +17,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from prefix_router.load_signal import parse_vllm_load
+from prefix_router.fleet.load_signal import parse_vllm_load
 from prefix_router.routing.keys import extract_key
 from prefix_router.sim.config import SimConfig
 from prefix_router.sim.fleet import SimBackend

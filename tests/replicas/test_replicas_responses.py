@@ -15,8 +15,8 @@ import httpx
 import openai
 import orjson
 
-from prefix_router.backends import BackendSpec
-from prefix_router.responses_ids import backend_tag, decode_id
+from prefix_router.fleet.backends import BackendSpec
+from prefix_router.routing.response_ids import backend_tag, decode_id
 from prefix_router.sim.config import SimConfig
 from prefix_router.sim.fleet import SimBackend
 

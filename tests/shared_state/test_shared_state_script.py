@@ -13,8 +13,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 from redis.asyncio import Redis
 
+from prefix_router.fleet.shared_state import NAMESPACE, SharedPlacement
 from prefix_router.routing.shared_view import ClaimAnswer, ClaimRequest, Takeover
-from prefix_router.shared_state import NAMESPACE, SharedPlacement
 
 from redisserver import RedisServer
 from routerkit import eventually

@@ -8,9 +8,7 @@ from collections.abc import AsyncIterator
 import pytest
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
-from prefix_router.sim.config import SimConfig
-from prefix_router.sim.fleet import SimFleet
-from prefix_router.sim.loadgen import (
+from prefix_router.loadgen.drivers import (
     BackendCounters,
     Progress,
     RequestResult,
@@ -28,8 +26,10 @@ from prefix_router.sim.loadgen import (
     snapshot,
     summarise,
 )
-from prefix_router.sim.traces import parse_record, trace_workload
-from prefix_router.sim.workloads import multi_turn, shared_prefix
+from prefix_router.loadgen.traces import parse_record, trace_workload
+from prefix_router.loadgen.workloads import multi_turn, shared_prefix
+from prefix_router.sim.config import SimConfig
+from prefix_router.sim.fleet import SimFleet
 
 FAST = SimConfig(overhead_ms=1.0, prefill_ms_per_token=0.001, itl_ms=0.2)
 

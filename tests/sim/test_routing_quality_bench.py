@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
+from prefix_router.loadgen.drivers import RunSummary, client_session
+from prefix_router.loadgen.workloads import distinct_blocks, largest_prompt_blocks, shared_prefix
 from prefix_router.sim.config import SimConfig
 from prefix_router.sim.fleet import SimFleet
-from prefix_router.sim.loadgen import RunSummary, client_session
-from prefix_router.sim.workloads import distinct_blocks, largest_prompt_blocks, shared_prefix
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from prefix_router.sim.traces import (
+from prefix_router.loadgen.traces import (
     MOONCAKE_BLOCK_TOKENS,
     BlockText,
     TraceError,
@@ -18,7 +18,7 @@ from prefix_router.sim.traces import (
     read_trace,
     trace_workload,
 )
-from prefix_router.sim.workloads import oracle_hit_rate, prompt_blocks
+from prefix_router.loadgen.workloads import oracle_hit_rate, prompt_blocks
 
 SAMPLE = Path(__file__).parents[2] / "benchmarks" / "traces" / "mooncake_conversation_head2000.jsonl"
 

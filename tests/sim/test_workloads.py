@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefix_router.sim.cache import hash_prompt_blocks
-from prefix_router.sim.tokens import render_chat, tokenize_text
-from prefix_router.sim.workloads import (
+from prefix_router.loadgen.workloads import (
     TENANT_HEADER,
     WORKLOADS,
     Workload,
@@ -24,6 +22,8 @@ from prefix_router.sim.workloads import (
     shared_system,
     tenants,
 )
+from prefix_router.sim.cache import hash_prompt_blocks
+from prefix_router.sim.tokens import render_chat, tokenize_text
 
 
 def text_of(body: dict[str, object]) -> str:

@@ -12,7 +12,7 @@ import openai
 import pytest
 from vllmkit import BUILD_HINT, SERVED_MODEL, VllmServer, model_dir, words
 
-from prefix_router.responses_ids import backend_tag, decode_id
+from prefix_router.routing.response_ids import backend_tag, decode_id
 
 from routerkit import RunningRouter, eventually, router_settings, start_router
 

@@ -21,7 +21,7 @@ import orjson
 import pytest
 from vllmkit import BUILD_HINT, SERVED_MODEL, model_dir
 
-from prefix_router.upstream_pool import Connection, Pool
+from prefix_router.upstream.pool import Connection, Pool
 
 from routerkit import RunningRouter, router_settings, start_router
 

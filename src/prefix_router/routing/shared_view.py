@@ -1,5 +1,5 @@
 """Placement shared by router replicas: what one request asks of the shared store, and what its answer
-means for the decision. No I/O: the store client (prefix_router/shared_state.py) runs the claim.
+means for the decision. No I/O: the store client (prefix_router/fleet/shared_state.py) runs the claim.
 
 The claim is atomic in the store: the deepest block of the request that has a shared owner is found;
 when the follow table says that prefix covers enough of the request, the owner is chosen, else the

@@ -12,9 +12,9 @@ import asyncio
 import math
 from collections.abc import Callable
 
-from prefix_router.backends import BackendSet
+from prefix_router.fleet.backends import BackendSet
 from prefix_router.settings import LoadSignalSettings
-from prefix_router.upstream import Upstream
+from prefix_router.upstream.client import Upstream
 
 LOAD_METRICS = (b"vllm:num_requests_running", b"vllm:num_requests_waiting")
 

@@ -11,7 +11,7 @@ import random
 from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
-from prefix_router.backends import BackendSpec
+from prefix_router.fleet.backends import BackendSpec
 from prefix_router.settings import normalise_backend_url
 
 ApplyBackends = Callable[[list[BackendSpec]], None]

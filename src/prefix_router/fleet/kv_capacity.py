@@ -12,8 +12,8 @@ import asyncio
 import re
 from collections.abc import Callable
 
-from prefix_router.backends import BackendSet
-from prefix_router.upstream import Upstream
+from prefix_router.fleet.backends import BackendSet
+from prefix_router.upstream.client import Upstream
 
 INFO_METRIC = b"vllm:cache_config_info{"
 _LABEL = re.compile(rb'(\w+)="((?:[^"\\]|\\.)*)"')

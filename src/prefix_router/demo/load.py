@@ -17,14 +17,14 @@ import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
-from prefix_router.app import RouterApp, create_app
 from prefix_router.errors import SettingsError
-from prefix_router.server import RouterServer
+from prefix_router.loadgen.drivers import Progress, RunSummary, Target, client_session, measure
+from prefix_router.loadgen.workloads import Workload, cache_sensitive_config, oracle_hit_rate, shared_prefix
+from prefix_router.router import RouterApp, create_app
+from prefix_router.runtime import RouterServer
 from prefix_router.settings import Settings, load_settings
 from prefix_router.sim.config import SimConfig
 from prefix_router.sim.fleet import SimFleet
-from prefix_router.sim.loadgen import Progress, RunSummary, Target, client_session, measure
-from prefix_router.sim.workloads import Workload, cache_sensitive_config, oracle_hit_rate, shared_prefix
 
 POLICIES = ("prefix", "random")
 MAX_TOKENS = 16

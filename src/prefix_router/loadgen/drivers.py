@@ -30,7 +30,7 @@ import aiohttp
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
-from prefix_router.sim.workloads import Workload, WorkloadRequest
+from prefix_router.loadgen.workloads import Workload, WorkloadRequest
 
 BACKEND_HEADER = "x-prefix-router-backend"
 

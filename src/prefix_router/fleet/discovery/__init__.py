@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from prefix_router.backends import BackendSpec
-from prefix_router.discovery.base import ApplyBackends, Discovery
-from prefix_router.discovery.dns import DnsDiscovery
-from prefix_router.discovery.kubernetes import KubernetesDiscovery, read_pod_namespace
 from prefix_router.errors import SettingsError
+from prefix_router.fleet.backends import BackendSpec
+from prefix_router.fleet.discovery.base import ApplyBackends, Discovery
+from prefix_router.fleet.discovery.dns import DnsDiscovery
+from prefix_router.fleet.discovery.kubernetes import KubernetesDiscovery, read_pod_namespace
 from prefix_router.settings import DiscoveryMode, DiscoverySettings
 
 __all__ = ["ApplyBackends", "Discovery", "DnsDiscovery", "KubernetesDiscovery", "build_discovery"]

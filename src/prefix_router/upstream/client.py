@@ -1,6 +1,6 @@
 """The only HTTP client of the router: requests to backends over pooled HTTP/1.1 connections.
 
-Our own client (upstream_pool.py) rather than aiohttp's or httpx's: measured on this machine, httpx's
+Our own client (upstream/pool.py) rather than aiohttp's or httpx's: measured on this machine, httpx's
 pool collapsed under concurrency (340 req/s at 64 connections, 3+ ms CPU per request), and aiohttp's
 client was the largest single cost of a proxied request (README, "Why our own HTTP/1.1"). Pool limits
 and timeouts are explicit; failures are errors.UpstreamError subclasses, mapped here and nowhere else.
@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 from urllib.parse import urlsplit
 
 from prefix_router.errors import FirstByteTimeout, UpstreamError
-from prefix_router.settings import UpstreamSettings
-from prefix_router.upstream_pool import BodySink, Connection, ConnectionBudget, Origin, Pool, StaleConnection
+from prefix_router.upstream.config import UpstreamConfig
+from prefix_router.upstream.pool import BodySink, Connection, ConnectionBudget, Origin, Pool, StaleConnection
 
 # RFC 9110 §7.6.1 hop-by-hop fields, plus what the relay re-frames itself.
 HOP_BY_HOP = frozenset(
@@ -151,7 +151,7 @@ class UpstreamResponse:
 
 
 class Upstream:
-    def __init__(self, settings: UpstreamSettings) -> None:
+    def __init__(self, settings: UpstreamConfig) -> None:
         self._settings = settings
         self._pools: dict[str, Pool] = {}
         self._budget = ConnectionBudget(settings.max_connections)

@@ -1,6 +1,6 @@
 """`create_app(settings)`: the router, its resources owned by start()/stop().
 
-The main port's requests come from http_server.Listener to `RouterApp.handle`: the local routes
+The main port's requests come from frontend.http1.Listener to `RouterApp.handle`: the local routes
 (/healthz, /readyz, /metrics) are answered here, everything else is `Proxy.handle`. FastAPI serves
 the metrics port and the admin API on their own listeners. This module holds the only table from
 errors to HTTP statuses.
@@ -22,21 +22,21 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from pydantic import BaseModel
 
 from prefix_router import errors
-from prefix_router.access_log import LOGGER_NAME, JsonAccessLog
-from prefix_router.backends import BackendSet, BackendSpec, HealthPolicy
-from prefix_router.discovery import build_discovery
-from prefix_router.health import HealthProber
-from prefix_router.http_server import Exchange, ResponseParts
-from prefix_router.kv_capacity import KvCapacityProbe
-from prefix_router.load_signal import LoadSignalScraper
-from prefix_router.metrics import BackendStatus, FleetSnapshot, RouterMetrics
-from prefix_router.model_probe import ModelProber
-from prefix_router.models import AdapterPolicy, ModelDirectory
-from prefix_router.proxy import Proxy
+from prefix_router.fleet.backends import BackendSet, BackendSpec, HealthPolicy
+from prefix_router.fleet.discovery import build_discovery
+from prefix_router.fleet.health import HealthProber
+from prefix_router.fleet.kv_capacity import KvCapacityProbe
+from prefix_router.fleet.load_signal import LoadSignalScraper
+from prefix_router.fleet.model_probe import ModelProber
+from prefix_router.fleet.models import AdapterPolicy, ModelDirectory
+from prefix_router.fleet.shared_state import SharedPlacement
+from prefix_router.frontend.http1 import Exchange, ResponseParts
+from prefix_router.ops.access_log import LOGGER_NAME, JsonAccessLog
+from prefix_router.ops.metrics import BackendStatus, FleetSnapshot, RouterMetrics
+from prefix_router.relay import Proxy
 from prefix_router.routing.picker import Picker
 from prefix_router.settings import Settings, normalise_backend_url
-from prefix_router.shared_state import SharedPlacement
-from prefix_router.upstream import Upstream
+from prefix_router.upstream.client import Upstream
 
 log = logging.getLogger("prefix_router")
 access_log = logging.getLogger(LOGGER_NAME)
@@ -113,7 +113,7 @@ class RouterApp:
             ),
         )
         self.picker = Picker(settings.balance_config(), rng)
-        self.upstream = Upstream(settings.upstream)
+        self.upstream = Upstream(settings.upstream.to_config())
         self.metrics = RouterMetrics(self.registry, self.snapshot)
         m = settings.models
         self.models = ModelDirectory(

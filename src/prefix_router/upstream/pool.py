@@ -18,9 +18,9 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from prefix_router.admission import wake_first
 from prefix_router.errors import ConnectFailed, NoAnswer, StreamBroken, StreamIdleTimeout, UpstreamError
 from prefix_router.tcp import set_nodelay
+from prefix_router.waiters import wake_first
 
 BodySink = Callable[[bytes], None]
 _NO_BODY_STATUSES = frozenset({204, 304})

@@ -30,7 +30,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from prefix_router import __version__, errors
-from prefix_router.backends import HealthState
+from prefix_router.fleet.backends import HealthState
 from prefix_router.routing.picker import Branch
 
 # Seconds; TTFB of a warm prefix is tens of ms, a cold 8k-token prefill a few seconds.

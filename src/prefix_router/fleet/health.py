@@ -9,9 +9,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from prefix_router.backends import BackendSet
+from prefix_router.fleet.backends import BackendSet
 from prefix_router.settings import HealthSettings
-from prefix_router.upstream import Upstream
+from prefix_router.upstream.client import Upstream
 
 log = logging.getLogger("prefix_router.health")
 

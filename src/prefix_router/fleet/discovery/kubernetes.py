@@ -26,8 +26,8 @@ from urllib.parse import urlsplit
 
 import aiohttp  # only for the watch's timeouts: kubernetes_asyncio's transport is aiohttp
 
-from prefix_router.discovery.base import ApplyBackends, Backoff, MembershipPublisher, backend_url
 from prefix_router.errors import SettingsError
+from prefix_router.fleet.discovery.base import ApplyBackends, Backoff, MembershipPublisher, backend_url
 
 logger = logging.getLogger(__name__)
 

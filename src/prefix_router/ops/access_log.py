@@ -1,6 +1,6 @@
 """The access log: one JSON object a line per request, on logger `prefix_router.access`.
 
-The listener (http_server.Listener) tells an `AccessLog` of each request it finished; this module
+The listener (frontend.http1.Listener) tells an `AccessLog` of each request it finished; this module
 decides what is written. Fields: `time` (UTC, when the answer ended), `client`, `method`, `path`
 (as sent, without the query, which may hold anything), `status` (499 for a client that left first, as nginx
 logs it), `duration_s`, `backend` and `branch` (null when no backend was chosen), and `bytes` (response
@@ -19,7 +19,7 @@ from typing import Any
 
 import orjson
 
-from prefix_router.http_server import Exchange
+from prefix_router.frontend.http1 import Exchange
 
 LOGGER_NAME = "prefix_router.access"
 MAX_PATH_CHARS = 1024  # a path is bounded by the head limit (64 KiB); a log line need not be
@@ -30,7 +30,7 @@ def _utc_now() -> datetime:
 
 
 class JsonAccessLog:
-    """http_server.AccessLog as JSON lines; `skip_paths` are not logged (the local routes, by default)."""
+    """frontend.http1.AccessLog as JSON lines; `skip_paths` are not logged (the local routes, by default)."""
 
     def __init__(
         self,

@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 from prefix_router.errors import SettingsError
-from prefix_router.server import run_loop
+from prefix_router.runtime import run_loop
 from prefix_router.settings import Settings, load_settings
 from prefix_router.sim.config import SimConfig
 from prefix_router.sim.fleet import SimFleet
@@ -70,8 +70,8 @@ def banner(router_url: str, urls: list[str], model: str) -> str:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    from prefix_router.app import create_app
-    from prefix_router.server import serve
+    from prefix_router.router import create_app
+    from prefix_router.runtime import serve
 
     sim_config = SimConfig()
     async with SimFleet(sim_config, count=args.backends) as fleet:
@@ -94,7 +94,7 @@ def run_demo(args: argparse.Namespace) -> int:
         return 2
     try:
         if getattr(args, "load", False):
-            from prefix_router.demo_load import run_load
+            from prefix_router.demo.load import run_load
 
             return run_loop(run_load(args))
         return run_loop(_run(args))

@@ -1,8 +1,8 @@
 """One proxied request: bounded read → key → pick → lease → relay → release.
 
-The request arrives read whole from http_server.Listener, not through ASGI or a FastAPI route: the data
+The request arrives read whole from frontend.http1.Listener, not through ASGI or a FastAPI route: the data
 path pays for no routing, validation or message dicts. `Proxy.handle` raises RouterError only before
-the response has started (app.py turns it into an OpenAI-shaped error); once bytes have gone to the
+the response has started (router.py turns it into an OpenAI-shaped error); once bytes have gone to the
 client, failures end the stream.
 """
 
@@ -18,8 +18,6 @@ from urllib.parse import quote
 
 import orjson
 
-from prefix_router.admission import CapacityWaiters, PrefillEvents
-from prefix_router.backends import BackendSet
 from prefix_router.errors import (
     BackendOverloaded,
     BadRequest,
@@ -31,10 +29,16 @@ from prefix_router.errors import (
     StreamBroken,
     UpstreamError,
 )
-from prefix_router.http_server import Exchange
-from prefix_router.metrics import RouterMetrics
-from prefix_router.models import ModelDirectory
-from prefix_router.responses_ids import (
+from prefix_router.fleet.backends import BackendSet
+from prefix_router.fleet.models import ModelDirectory
+from prefix_router.fleet.shared_state import SharedPlacement
+from prefix_router.frontend.http1 import Exchange
+from prefix_router.ops.metrics import RouterMetrics
+from prefix_router.placement import CapacityWaiters, PrefillEvents
+from prefix_router.routing.keys import RoutingKey, extract_key
+from prefix_router.routing.load import Lease
+from prefix_router.routing.picker import Branch, Candidates, Decision, Picker
+from prefix_router.routing.response_ids import (
     RESPONSES_PATH,
     BackendTags,
     StreamRewriter,
@@ -43,14 +47,10 @@ from prefix_router.responses_ids import (
     rewrite_error_ids,
     rewrite_ids,
 )
-from prefix_router.routing.keys import RoutingKey, extract_key
-from prefix_router.routing.load import Lease
-from prefix_router.routing.picker import Branch, Candidates, Decision, Picker
 from prefix_router.routing.ring import HashRing
 from prefix_router.routing.shared_view import claim_request, resolve
 from prefix_router.settings import Settings
-from prefix_router.shared_state import SharedPlacement
-from prefix_router.upstream import Upstream, UpstreamResponse, request_headers
+from prefix_router.upstream.client import Upstream, UpstreamResponse, request_headers
 
 BACKEND_HEADER = b"x-prefix-router-backend"
 _REFUSED_METHODS = frozenset({"CONNECT", "TRACE"})

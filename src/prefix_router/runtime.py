@@ -1,4 +1,4 @@
-"""Run a RouterApp: the main listener (http_server.Listener) and the optional metrics and admin
+"""Run a RouterApp: the main listener (frontend.http1.Listener) and the optional metrics and admin
 listeners (uvicorn + FastAPI), in one event loop; SIGTERM fails /readyz at once, stops accepting, and
 drains in-flight requests.
 """
@@ -16,8 +16,8 @@ from typing import Any
 
 import uvicorn
 
-from prefix_router.app import RouterApp
-from prefix_router.http_server import Listener, ListenerLimits
+from prefix_router.frontend.http1 import Listener, ListenerLimits
+from prefix_router.router import RouterApp
 from prefix_router.settings import ServerSettings
 
 log = logging.getLogger("prefix_router")

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from prefix_router.loadgen.workloads import DEFAULT_MODEL, Workload, WorkloadRequest, vocabulary
 from prefix_router.sim.tokens import BYTES_PER_TOKEN
-from prefix_router.sim.workloads import DEFAULT_MODEL, Workload, WorkloadRequest, vocabulary
 
 MOONCAKE_BLOCK_TOKENS = 512
 

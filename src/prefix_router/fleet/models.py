@@ -16,8 +16,8 @@ from typing import Any
 
 import orjson
 
-from prefix_router.backends import BackendSet
 from prefix_router.errors import ModelNotFound
+from prefix_router.fleet.backends import BackendSet
 from prefix_router.routing.picker import Candidates
 from prefix_router.routing.ring import HashRing, Member
 

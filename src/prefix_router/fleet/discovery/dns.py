@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import dns.asyncresolver
 import dns.resolver
 
-from prefix_router.discovery.base import ApplyBackends, MembershipPublisher, backend_url
+from prefix_router.fleet.discovery.base import ApplyBackends, MembershipPublisher, backend_url
 
 logger = logging.getLogger(__name__)
 

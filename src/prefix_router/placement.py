@@ -10,14 +10,7 @@ import asyncio
 import contextlib
 from collections import deque
 
-
-def wake_first(waiters: deque[asyncio.Future[None]]) -> None:
-    """Wake the first waiter still waiting (the others before it gave up)."""
-    while waiters:
-        fut = waiters.popleft()
-        if not fut.done():
-            fut.set_result(None)
-            return
+from prefix_router.waiters import wake_first
 
 
 class CapacityWaiters:

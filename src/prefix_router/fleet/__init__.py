@@ -1,0 +1,1 @@
+"""The control plane: which backends exist, whether they are healthy, what they serve and hold."""

@@ -1,0 +1,1 @@
+"""What clients connect to: the main port's listener and the routes the router answers itself."""

@@ -1,0 +1,1 @@
+"""Workloads, their oracle hit rates and load drivers: what the demo and the benchmarks share."""

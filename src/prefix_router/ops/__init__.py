@@ -1,0 +1,1 @@
+"""The operator surface, off the data path: metrics and the access log."""
