@@ -79,7 +79,7 @@ class JsonAccessLog:
         line = orjson.dumps({"time": time, **fields}).decode()
         # Handed to the handlers whatever the logger's level: an access log that was asked for is
         # written even under `log_level: warning`, and no logger's level is changed to get there.
-        record = self._logger.makeRecord(self._logger.name, logging.INFO, __file__, 0, line, None, None)
+        record = self._logger.makeRecord(self._logger.name, logging.INFO, __file__, 0, line, (), None)
         self._logger.handle(record)
 
 
