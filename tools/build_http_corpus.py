@@ -16,6 +16,7 @@ Response payloads are answered by the raw backend to a plain GET; the client mus
 response or a 502, and nginx's status and body are recorded beside ours.
 
     python tools/build_http_corpus.py --llhttp DIR --garden DIR --smuggler DIR --h11 DIR --uvicorn DIR
+    python tools/build_http_corpus.py --summary      # the counts of the files as built
 
 Each DIR is a git directory (bare or not) of that project; HEAD is read. nginx must be on PATH.
 """
@@ -499,7 +500,8 @@ REASONS: list[tuple[str, Check]] = [
     ),
     (
         "both refuse the same request; the status differs (the router: 400 for a malformed message, "
-        "501 for a transfer coding it does not implement, RFC 9112 §6.1; nginx the other way in places)",
+        "405 for CONNECT, 408 for a request cut short, 501 for a transfer coding it does not implement "
+        "(RFC 9112 §6.1), 505 for a version it does not speak; nginx picks others of these in places)",
         lambda c, o, r: o.forwarded == r.forwarded and _refuses(o) and _refuses(r),
     ),
     (
@@ -635,12 +637,36 @@ async def run_all(cases: list[dict[str, Any]]) -> None:
         decide(c, ours[c["id"]], ref[c["id"]])
 
 
+def summarize(out: Path) -> None:
+    """Counts per corpus from the built files: outcomes, and differences from nginx by reason."""
+    for name in REPOS:
+        cases = json.loads((out / f"{name}.json").read_text())["cases"]
+        requests = [c for c in cases if c["kind"] == "request"]
+        responses = [c for c in cases if c["kind"] == "response"]
+        refused = sum(1 for c in requests if c["expect"]["refusal"] is not None)
+        answered_502 = sum(1 for c in responses if c["expect"]["status"] == 502)
+        print(
+            f"{name}: {len(cases)} cases; requests {len(requests)} (forwarded {len(requests) - refused}, "
+            f"refused {refused}); responses {len(responses)} (relayed {len(responses) - answered_502}, "
+            f"502 {answered_502}); differ from nginx {sum(1 for c in cases if 'reason' in c)}"
+        )
+        for reason, n in Counter(c["reason"] for c in cases if "reason" in c).most_common():
+            print(f"  {n:5d}  {reason[:150]}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     for name in REPOS:
-        parser.add_argument(f"--{name}", type=Path, required=True, help=f"git directory of {REPOS[name]}")
+        parser.add_argument(f"--{name}", type=Path, help=f"git directory of {REPOS[name]}")
     parser.add_argument("--out", type=Path, default=CORPUS_DIR)
+    parser.add_argument("--summary", action="store_true", help="print the counts of the built files only")
     args = parser.parse_args()
+    if args.summary:
+        summarize(args.out)
+        return 0
+    missing = [f"--{name}" for name in REPOS if getattr(args, name) is None]
+    if missing:
+        parser.error(f"the git directories are needed: {' '.join(missing)}")
     sources = {name: Source(name, getattr(args, name)) for name in REPOS}
     corpora = {
         "llhttp": extract_llhttp(sources["llhttp"]),
