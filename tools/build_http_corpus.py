@@ -4,21 +4,29 @@ Payloads are taken as data from git checkouts of the public projects (their test
 
 - llhttp: the request and response messages of test/request/*.md and test/response/*.md;
 - http-garden: the payloads of TROPHIES.md and README.md;
-- smuggler: the Transfer-Encoding gadgets of configs/*.py, each in a CL.TE and a TE.CL probe;
-- h11 and uvicorn: the HTTP byte strings of their test modules.
+- smuggler: the Transfer-Encoding gadgets of configs/*.py (a table written as a loop, run against a
+  stand-in to collect its strings), each in a CL.TE and a TE.CL probe; of the bytes 0x7f-0xff, which
+  the configs repeat in every position, a few stand for the rest (HIGH_BYTES_KEPT);
+- h11 and uvicorn: the HTTP byte strings of their test modules (literals only, read with ast).
+
+An HTTP/1.1 request without Host gets one (`host_added`), so that it tests what it was written for
+rather than the missing Host, which both proxies refuse.
 
 Each request payload is sent to nginx (a proxy in front of a raw loopback backend) and to the router, and
 what each did is recorded: the requests the backend received, or the refusal. The expected outcome is
 nginx's unless the router differs in a way RFC 9112/9110 allows, in which case the router's is expected
 and the case carries the reason (`REASONS` below). A difference no reason covers is left expecting
 nginx's outcome, so the test fails until the router is fixed or the difference is justified here.
+A reason that starts with "deviation:" is a difference the RFC does not allow: listed to be fixed.
 Response payloads are answered by the raw backend to a plain GET; the client must get a well-framed
-response or a 502, and nginx's status and body are recorded beside ours.
+response or a 502 (the tests hold that whatever is recorded); the router's outcome is expected, with
+nginx's beside it and the reason where they differ.
 
     python tools/build_http_corpus.py --llhttp DIR --garden DIR --smuggler DIR --h11 DIR --uvicorn DIR
     python tools/build_http_corpus.py --summary      # the counts of the files as built
 
-Each DIR is a git directory (bare or not) of that project; HEAD is read. nginx must be on PATH.
+Each DIR is a git directory (bare or not) of that project; HEAD is read. nginx must be on PATH
+(Debian's nginx-light package will do); the tests themselves need only the built files.
 """
 
 from __future__ import annotations
