@@ -127,3 +127,28 @@ async def test_a_bodiless_answer_naming_a_transfer_coding_is_relayed(
         assert "gzip" not in resp.headers.get("transfer-encoding", "")
         assert resp.content == b""
     assert len(backend.conns) == 1, "no body, nothing left unread: the connection is reused"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        pytest.param(b"2;\r\naa\r\n0\r\n\r\n", id="extension-without-name"),
+        pytest.param(b"5  \r\nhello\r\n0\r\n\r\n", id="space-after-size"),
+        pytest.param(b"zz\r\nhello\r\n0\r\n\r\n", id="size-not-hex"),
+    ],
+)
+async def test_a_head_and_a_broken_chunked_body_in_one_read_get_a_502(
+    raw: Start, client: httpx.AsyncClient, body: bytes
+) -> None:
+    # Nothing of the answer has reached the client when the parser refuses its body: the client can
+    # still be told, and an empty close would leave it guessing (llhttp's response corpus has these).
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ntransfer-encoding: chunked\r\n\r\n"
+
+    async def script(req: RawRequest, conn: RawConn) -> bool:
+        await conn.send(head + body)
+        return False
+
+    _, r = await raw(script)
+    resp = await client.get(f"{r.url}/broken")
+    assert resp.status_code == 502
+    assert resp.json()["error"]["code"] == "upstream_unavailable"

@@ -98,6 +98,13 @@ class UpstreamResponse:
         self.status = conn.status
         self.headers = response_headers(conn.raw_headers)
 
+    @property
+    def broken(self) -> UpstreamError | None:
+        """Why the answer already failed, before any of its body was handed on: its head and a body
+        the parser refused came in one read. Nothing of it has reached the client yet."""
+        conn = self._conn
+        return conn.error if not conn.has_body_bytes() else None
+
     async def pipe(
         self,
         sink: BodySink,

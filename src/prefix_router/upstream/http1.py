@@ -192,6 +192,10 @@ class Connection(asyncio.Protocol):
         """The answer was read whole, whatever happened to the connection after."""
         return self._answered
 
+    def has_body_bytes(self) -> bool:
+        """Some of the answer's body has been parsed (handed to a sink, or buffered for one)."""
+        return self._got_body
+
     def is_reusable(self) -> bool:
         """It may carry another request: the answer read whole, both ends keeping the connection, and
         no bytes left unread under a paused transport."""
