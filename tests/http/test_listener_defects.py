@@ -17,9 +17,9 @@ import openai
 import pytest
 
 from prefix_router.settings import Settings, load_settings
-from rawhttp import closed_by_peer, connection, read_response, request
 
 from fakebackend import FakeBackend
+from rawhttp import closed_by_peer, connection, read_response, request
 from routerkit import RunningRouter, router_settings
 
 MakeBackends = Callable[..., Awaitable[list[FakeBackend]]]

@@ -29,6 +29,7 @@ import yaml
 from prefix_router.sim.config import SimConfig
 from prefix_router.sim.fleet import SimFleet
 
+from loopback import free_port
 from routerkit import RunningRouter, free_socket, router_settings, start_router
 
 DASHBOARD = Path(__file__).parents[2] / "helm" / "prefix-router" / "dashboards" / "prefix-router.json"
@@ -48,13 +49,6 @@ def binary(name: str) -> str:
             pytest.fail(f"{reason}; CI must run this test")
         pytest.skip(reason)
     return found
-
-
-def free_port() -> int:
-    sock = free_socket()
-    port: int = sock.getsockname()[1]
-    sock.close()
-    return port
 
 
 def dashboard_queries() -> list[tuple[str, str]]:

@@ -20,9 +20,9 @@ import pytest
 from aiohttp import web
 
 from prefix_router.settings import Settings
-from rawhttp import closed_by_peer, connection, read_response, request
 
 from fakebackend import FakeBackend
+from rawhttp import closed_by_peer, connection, read_response, request
 from routerkit import RunningRouter, free_socket, router_settings
 
 MakeBackends = Callable[..., Awaitable[list[FakeBackend]]]

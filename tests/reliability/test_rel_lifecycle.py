@@ -11,7 +11,8 @@ from collections import Counter
 import aiohttp
 import httpx
 
-from routerkit import eventually, free_socket, router_settings, start_side_app
+from loopback import free_port, port_answers
+from routerkit import eventually, router_settings, start_side_app
 
 CHAT = "/v1/chat/completions"
 
@@ -156,26 +157,9 @@ async def test_hot_prefix_at_10x_capacity_keeps_every_backend_within_bound(fake_
     assert max(b.peak_active for b in backends) <= 3
 
 
-async def _wait_port(port: int, timeout_s: float = 20) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while True:
-        try:
-            _, w = await asyncio.open_connection("127.0.0.1", port)
-            w.close()
-            return
-        except OSError:
-            if loop.time() > deadline:
-                raise
-            await asyncio.sleep(0.05)
-
-
 async def test_sigterm_fails_readyz_stops_accepting_and_finishes_streams(fake_backends) -> None:
     backends = await fake_backends(1, chunk_delay_s=0.1)
-    sock, msock = free_socket(), free_socket()
-    port, mport = sock.getsockname()[1], msock.getsockname()[1]
-    sock.close()
-    msock.close()
+    port, mport = free_port(), free_port()
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "prefix_router", "serve", "--backend", backends[0].url,
         "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(mport),
@@ -183,8 +167,7 @@ async def test_sigterm_fails_readyz_stops_accepting_and_finishes_streams(fake_ba
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
     )  # fmt: skip
     try:
-        await _wait_port(port)
-        await _wait_port(mport)
+        await eventually(lambda: port_answers(port) and port_answers(mport), 20)
         async with aiohttp.ClientSession() as s:
             assert (await s.get(f"http://127.0.0.1:{mport}/readyz")).status == 200
             streams = [await s.get(f"http://127.0.0.1:{port}/stream?n=20&i={i}") for i in range(3)]
