@@ -15,14 +15,15 @@ from collections.abc import Awaitable, Callable
 POLL_S = 0.01
 
 
-def free_socket() -> socket.socket:
-    """A listening-ready socket bound to an ephemeral 127.0.0.1 port; hand it to the server itself so
-    no other process can take the port between choosing and binding it."""
+def free_socket(port: int = 0) -> socket.socket:
+    """A listening-ready socket bound to an ephemeral 127.0.0.1 port (or to `port`, to come back on
+    the same one); hand it to the server itself so no other process can take the port between
+    choosing and binding it."""
     # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted sockets only when the listener's proto
     # says TCP; without it every kept-alive request through a test server waits ~40 ms (Nagle).
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
+    sock.bind(("127.0.0.1", port))
     return sock
 
 

@@ -11,6 +11,7 @@ import socket
 
 import pytest
 
+from fakebackend import Close, Reply
 from routerkit import router_settings
 
 
@@ -162,11 +163,11 @@ async def test_secrets_appear_in_no_log_metric_or_error(fake_backends, router, c
     for body in (b'{"messages": []}', b"x" * 5000, b"{bad"):
         resp = await client.post(f"{r.url}/v1/chat/completions", content=body, headers=headers)
         bodies.append(resp.text if resp.status_code >= 400 and "backend" not in resp.text else "")
-    backends[0].mode = "close"
+    backends[0].script = Close()
     resp = await client.post(f"{r.url}/v1/chat/completions", content=b"{}", headers=headers)
     assert resp.status_code == 502
     bodies.append(resp.text)
-    backends[0].mode = "status:503"
+    backends[0].script = Reply(503)
     resp = await client.post(f"{r.url}/v1/chat/completions", content=b"{}", headers=headers)
     metrics = (await client.get(f"{r.url}/metrics")).text
     for text in [*bodies, metrics, caplog.text]:

@@ -11,6 +11,7 @@ from collections import Counter
 import aiohttp
 import httpx
 
+from fakebackend import Reply
 from loopback import free_port, port_answers
 from routerkit import eventually, router_settings, start_side_app
 
@@ -116,7 +117,7 @@ async def test_shared_fault_never_ejects_the_whole_fleet(fake_backends, router, 
 
 
 async def test_retry_budget_bounds_amplification(fake_backends, router) -> None:
-    backends = await fake_backends(3, mode="status:503")
+    backends = await fake_backends(3, script=Reply(503))
     r = await router(router_settings(backends, upstream={"retry_budget_ratio": 0.0, "retry_budget_min": 1}))
     async with aiohttp.ClientSession() as s:
 
