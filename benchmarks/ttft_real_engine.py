@@ -36,14 +36,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "vllm"
 from _common import (
     BackgroundMeter,
     free_port,
+    launch_router,
     markdown_table,
     package_version,
     pinned,
     print_header,
+    report_results,
+    sglang_router_argv,
     start_process,
-    stop_process,
-    wait_for_port,
-    write_results,
+    stop_processes,
 )
 
 CHAT_PATH = b"/v1/chat/completions"
@@ -187,21 +188,16 @@ def wait_stream_ready(port: int, body: bytes, timeout_s: float) -> None:
 
 
 def start_router(work: Path, backend: str, cpus: str | None) -> Target:
-    port = free_port()
-    exe = shutil.which("prefix-router") or str(Path(sys.executable).parent / "prefix-router")
-    argv = [exe, "serve", "--backend", backend, "--host", "127.0.0.1", "--port", str(port)]
-    env = {**os.environ, "PREFIX_ROUTER_SERVER__LOG_LEVEL": "warning"}
-    proc = start_process(pinned(argv, cpus), work / "prefix-router.log", env)
-    wait_for_port(port, 30)
-    return Target("prefix-router", port, proc)
+    flags = ["--backend", backend, "--log-level", "warning"]
+    router = launch_router(flags, work / "prefix-router.log", cpus=cpus)
+    router.wait_ready()
+    return Target("prefix-router", router.port, router.proc)
 
 
 def start_sglang(work: Path, backend: str, model: Path, cpus: str | None, python: str) -> Target:
     port = free_port()
-    argv = [python, "-m", "sglang_router.launch_router", "--worker-urls", backend]
-    argv += ["--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware", "--log-level", "warn"]
-    argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
-    argv += ["--log-dir", str(work / "sglang-logs"), "--tokenizer-path", str(model)]
+    extra = ["--log-dir", str(work / "sglang-logs"), "--tokenizer-path", str(model)]
+    argv = sglang_router_argv([backend], port, *extra, python=python)
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = start_process(pinned(argv, cpus), work / "sglang.log", env)
     return Target("sglang-router", port, proc)
@@ -349,9 +345,7 @@ def main() -> int:
             for c in clients.values():
                 c.close()
     finally:
-        for t in targets:
-            if t.proc is not None:
-                stop_process(t.proc)
+        stop_processes([t.proc for t in targets if t.proc is not None])
         shutil.rmtree(work, ignore_errors=True)
 
     table, figures = summarise(targets)
@@ -362,9 +356,8 @@ def main() -> int:
     print(table)
     print()
     print(meter.note())
-    if not args.no_save:
-        payload = {**meta, "args": vars(args), "figures": figures, "background_cpus": meter.cpus}
-        print(f"\nresults: {write_results('ttft_real_engine', payload)}")
+    payload = {**meta, "args": vars(args), "figures": figures, "background_cpus": meter.cpus}
+    report_results("ttft_real_engine", payload, save=not args.no_save)
     return 0
 
 

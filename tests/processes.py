@@ -110,6 +110,41 @@ class ExitedEarly(RuntimeError):
         self.log = log
 
 
+def wait_serving(
+    proc: subprocess.Popen[bytes], ports: Sequence[int], log: Path, timeout_s: float = 30.0
+) -> None:
+    """Block until a child accepts connections on every one of `ports`; ExitedEarly (with its log)
+    if it ends first, TimeoutError after timeout_s."""
+    argv = proc.args if isinstance(proc.args, list) else [proc.args]
+    name = " ".join(str(a) for a in argv)[:120]
+
+    def serving() -> bool:
+        if proc.poll() is not None:
+            raise ExitedEarly(name, proc.returncode, log_tail(log))
+        return all(port_answers(p) for p in ports)
+
+    wait_until(serving, timeout_s, f"{name} serving on 127.0.0.1:{', '.join(map(str, ports))}")
+
+
+def start_server(
+    argv: list[str],
+    ports: Sequence[int],
+    log: Path,
+    env: dict[str, str] | None = None,
+    *,
+    cpus: str | None = None,
+    timeout_s: float = 30.0,
+) -> subprocess.Popen[bytes]:
+    """start_process, then wait_serving: a server child (a backend, a store, a peer) that listens."""
+    proc = start_process(pinned(argv, cpus), log, env)
+    try:
+        wait_serving(proc, ports, log, timeout_s)
+    except BaseException:
+        stop_process(proc)
+        raise
+    return proc
+
+
 @dataclass
 class RouterProcess:
     """`prefix-router serve` as a child process on 127.0.0.1:port."""
