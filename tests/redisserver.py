@@ -1,4 +1,5 @@
-"""A real `redis-server` on a 127.0.0.1 ephemeral port, for the shared placement state tests.
+"""A real `redis-server` on a 127.0.0.1 ephemeral port, for the shared placement state tests and the
+benchmarks that use one.
 
 Skipped with a reason when the binary is missing, except under CI (CI=true), where that fails:
 .ci/run installs it.
@@ -12,12 +13,12 @@ import socket
 import subprocess
 import tempfile
 
-import pytest
-
 from loopback import free_port, wait_until
 
 
 def redis_binary() -> str:
+    import pytest  # here, not at the top: the benchmarks start a RedisServer without pytest
+
     found = shutil.which("redis-server")
     if found is None:
         if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
