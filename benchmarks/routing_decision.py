@@ -30,7 +30,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import BackgroundMeter, markdown_table, package_version, print_header, write_results
+from _common import BackgroundMeter, markdown_table, package_version, print_header, report_results
 from prefix_router.fleet.backends import BackendSet, BackendSpec, HealthPolicy
 from prefix_router.routing.keys import RoutingKey, extract_key
 from prefix_router.routing.load import LoadTracker
@@ -409,17 +409,16 @@ def main() -> int:
     for text in profiles:
         print()
         print(text)
-    if not args.no_save:
-        payload = {
-            **meta,
-            "vnodes": vnodes,
-            "by_body": body_results,
-            "by_fleet": fleet_results,
-            "flatness": flat,
-            "profiles": profiles,
-            "background_cpus": meter.cpus,
-        }
-        print(f"wrote {write_results('routing_decision', payload)}")
+    payload = {
+        **meta,
+        "vnodes": vnodes,
+        "by_body": body_results,
+        "by_fleet": fleet_results,
+        "flatness": flat,
+        "profiles": profiles,
+        "background_cpus": meter.cpus,
+    }
+    report_results("routing_decision", payload, save=not args.no_save)
     return 0
 
 
