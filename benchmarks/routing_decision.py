@@ -39,6 +39,8 @@ from prefix_router.routing.ring import HashRing, Member
 from prefix_router.runtime import tune_gc
 from prefix_router.settings import Settings
 
+from texts import random_text
+
 CHAT = "/v1/chat/completions"
 # Words for synthetic prompt text.
 _VOCABULARY = (
@@ -50,13 +52,7 @@ WORDS = tuple(_VOCABULARY.split(" "))
 
 
 def text_of(rng: random.Random, size: int) -> str:
-    out: list[str] = []
-    n = 0
-    while n < size:
-        w = rng.choice(WORDS)
-        out.append(w)
-        n += len(w) + 1
-    return " ".join(out)[:size]
+    return random_text(rng, size, WORDS)
 
 
 def chat_body(total_bytes: int, seed: int = 1) -> bytes:

@@ -21,15 +21,8 @@ LONG_SYSTEM_PROMPT = "You are a careful assistant who answers in plain words. " 
 
 
 @pytest.fixture
-async def backend() -> AsyncIterator[SimBackend]:
-    async with SimBackend(TEST_CONFIG) as running_backend:
-        yield running_backend
-
-
-@pytest.fixture
-async def client(backend: SimBackend) -> AsyncIterator[openai.AsyncOpenAI]:
-    async with openai.AsyncOpenAI(base_url=f"{backend.url}/v1", api_key="x", max_retries=0) as sdk_client:
-        yield sdk_client
+def sim_config() -> SimConfig:
+    return TEST_CONFIG
 
 
 @pytest.fixture

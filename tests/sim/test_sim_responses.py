@@ -3,8 +3,6 @@ official OpenAI client and raw HTTP."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import aiohttp
 import openai
 import pytest
@@ -16,15 +14,8 @@ CONFIG = SimConfig(overhead_ms=1.0, prefill_ms_per_token=0.01, itl_ms=0.1, adapt
 
 
 @pytest.fixture
-async def backend() -> AsyncIterator[SimBackend]:
-    async with SimBackend(CONFIG) as running:
-        yield running
-
-
-@pytest.fixture
-async def client(backend: SimBackend) -> AsyncIterator[openai.AsyncOpenAI]:
-    async with openai.AsyncOpenAI(base_url=f"{backend.url}/v1", api_key="x", max_retries=0) as sdk:
-        yield sdk
+def sim_config() -> SimConfig:
+    return CONFIG
 
 
 async def test_models_lists_the_base_model_then_its_adapters_with_parent(backend: SimBackend) -> None:
