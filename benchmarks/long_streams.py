@@ -158,8 +158,9 @@ class StreamClient(asyncio.Protocol):
         self.established: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-        self.transport.write(
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        transport.write(
             b"POST /v1/chat/completions?stream=%d HTTP/1.1\r\nhost: 127.0.0.1:%d\r\n"
             b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
             % (self.stream, self.port, len(REQUEST_BODY), REQUEST_BODY)

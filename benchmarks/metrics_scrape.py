@@ -50,7 +50,7 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args()
     # As `prefix-router serve` does: no `_created` series.
-    prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
+    prometheus_client.disable_created_metrics()
     meta = print_header("/metrics scrape cost", {"prometheus_client": package_version("prometheus_client")})
     rows = [measure(n, args.repeats) for n in args.backends]
     print(

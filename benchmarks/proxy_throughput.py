@@ -85,7 +85,7 @@ def mock_info_bodies(model_path: str) -> tuple[bytes, bytes]:
 
 def write_tokenizer(directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
-    tokenizer = {
+    tokenizer: dict[str, Any] = {
         "version": "1.0",
         "truncation": None,
         "padding": None,

@@ -457,10 +457,10 @@ async def final_checks(metrics_url: str, backend_ports: list[int]) -> dict[str, 
     inflight = {lab["backend"]: v for name, lab, v in samples if name == "prefix_router_backend_inflight"}
 
     def total(metric: str, by: str) -> dict[str, float]:
-        out: Counter[str] = Counter()
+        out: dict[str, float] = {}
         for name, lab, v in samples:
             if name == metric:
-                out[lab.get(by, "")] += v
+                out[lab.get(by, "")] = out.get(lab.get(by, ""), 0.0) + v
         return dict(out)
 
     return {
@@ -717,7 +717,7 @@ def resources_table(args: argparse.Namespace, m: Soak, growth: float | None) -> 
     checks = m.checks
     inflight_nonzero = {k: v for k, v in checks["inflight"].items() if v}
     bound_at = m.run["index_bound_at"]
-    rows = [
+    rows: list[list[Any]] = [
         ["router RSS at start", f"{m.rss_start / 1024:.1f} MiB"],
         [
             f"router RSS after warm-up ({warm.get('at', 0):,} requests)",

@@ -156,7 +156,10 @@ class HttpxStreamClient:
         return progress.timing(time.perf_counter())
 
 
-CLIENTS = {"raw": RawStreamClient, "httpx": HttpxStreamClient}
+CLIENTS: dict[str, type[RawStreamClient | HttpxStreamClient]] = {
+    "raw": RawStreamClient,
+    "httpx": HttpxStreamClient,
+}
 
 
 # -- the targets --------------------------------------------------------------------------------------

@@ -75,9 +75,14 @@ def stop_processes(
             proc.wait(timeout=timeout_s)
     for proc, group in running:
         if group:
-            with contextlib.suppress(TimeoutError):
-                wait_until(lambda pgid=proc.pid: not _group_alive(pgid), linger_s, "the group's exit", 0.1)
-            _signal(proc, signal.SIGKILL, True)
+            _reap_group(proc, linger_s)
+
+
+def _reap_group(proc: subprocess.Popen[bytes], linger_s: float) -> None:
+    """Wait up to linger_s for what is left of a child's process group to follow it, then kill it."""
+    with contextlib.suppress(TimeoutError):
+        wait_until(lambda: not _group_alive(proc.pid), linger_s, "the group's exit", 0.1)
+    _signal(proc, signal.SIGKILL, True)
 
 
 def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 10.0, linger_s: float = 10.0) -> None:

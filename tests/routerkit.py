@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Sequence
 from typing import Any
 
 from prefix_router.router import RouterApp, create_app
@@ -55,7 +56,7 @@ class RunningRouter:
             await asyncio.wait_for(self.task, 10)
 
 
-def router_settings(backends: list[FakeBackend] | list[str], **sections: dict[str, Any]) -> Settings:
+def router_settings(backends: Sequence[FakeBackend] | Sequence[str], **sections: dict[str, Any]) -> Settings:
     urls = [b if isinstance(b, str) else b.url for b in backends]
     overrides: dict[str, Any] = {"backends": [{"url": u} for u in urls]}
     # Tests drive health themselves; a slow prober keeps runs deterministic unless a test asks. Nor

@@ -23,12 +23,12 @@ def test_a_script_that_is_not_a_script_type_is_refused(script: object) -> None:
 def test_a_retired_or_misspelt_attribute_is_refused() -> None:
     backend = FakeBackend(name="b")
     with pytest.raises(AttributeError, match="mode"):
-        backend.mode = "hang"  # type: ignore[attr-defined]
+        backend.mode = "hang"
     with pytest.raises(TypeError):
         FakeBackend(name="b", mode="status:503")  # type: ignore[call-arg]
 
 
-async def test_each_script_answers_as_it_says(fake_backends) -> None:  # type: ignore[no-untyped-def]
+async def test_each_script_answers_as_it_says(fake_backends) -> None:
     (backend,) = await fake_backends(1)
     async with aiohttp.ClientSession() as s:
         async with s.post(f"{backend.url}/v1/x", data=b"hi") as resp:

@@ -32,7 +32,12 @@ def test_demo_serves_until_sigint() -> None:
     lines: Queue[str] = Queue()
     assert proc.stdout is not None
     stdout = proc.stdout
-    threading.Thread(target=lambda: [lines.put(line) for line in stdout], daemon=True).start()
+
+    def pump() -> None:
+        for line in stdout:
+            lines.put(line)
+
+    threading.Thread(target=pump, daemon=True).start()
     try:
         base_url = None
         deadline = time.monotonic() + 30

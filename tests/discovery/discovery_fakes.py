@@ -85,8 +85,8 @@ class AppliedSets:
         self.models = {spec.url: spec.models for spec in specs if spec.models}
 
     @property
-    def last(self) -> frozenset[str] | None:
-        return self.calls[-1] if self.calls else None
+    def last(self) -> set[str] | None:
+        return set(self.calls[-1]) if self.calls else None
 
 
 @asynccontextmanager

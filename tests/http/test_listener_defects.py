@@ -417,7 +417,7 @@ async def test_a_pooled_connection_idle_6_s_then_reused_is_answered(
             assert second.status_code == 200
             return str(json.loads(second.content)["path"])
 
-    assert await asyncio.gather(raw_connection(), pooled_client()) == ["/two", "/four"]
+    assert list(await asyncio.gather(raw_connection(), pooled_client())) == ["/two", "/four"]
 
 
 async def test_answers_before_a_close_survive_requests_pipelined_after_it(

@@ -8,6 +8,7 @@ import hmac
 import json
 import logging
 import socket
+from typing import cast
 
 import pytest
 
@@ -93,7 +94,7 @@ async def test_router_keeps_serving_after_hostile_input(fake_backends, router, c
     backends = await fake_backends(1)
     r = await router(router_settings(backends, server={"header_timeout_s": 0.3}))
     for p in SMUGGLING:
-        await raw_exchange(r.port, p.values[0])
+        await raw_exchange(r.port, cast(bytes, p.values[0]))
     await raw_exchange(r.port, b"GET /x HTTP/1.1\r\n")
     assert (await client.get(f"{r.url}/v1/models")).status_code == 200
 

@@ -77,7 +77,10 @@ async def claimed(shared: SharedPlacement, request: ClaimRequest) -> ClaimAnswer
 
 
 async def owners(raw: Redis, blocks: list[int]) -> list[str | None]:
-    return list(await raw.mget([f"{NAMESPACE}o:{b}" for b in blocks]))
+    return [
+        v.decode() if isinstance(v, bytes) else v
+        for v in await raw.mget([f"{NAMESPACE}o:{b}" for b in blocks])
+    ]
 
 
 async def test_the_first_writer_wins_and_is_followed(store: Any, raw: Redis) -> None:
@@ -192,7 +195,7 @@ async def test_a_slow_store_times_out_and_the_caller_routes_locally(store: Any, 
         "local t = redis.call('TIME'); local s = t[1] + t[2] / 1e6; while true do"
         " local n = redis.call('TIME'); if n[1] + n[2] / 1e6 - s > 0.3 then break end end return 1"
     )
-    busy = asyncio.get_running_loop().create_task(raw.eval(spin, 0))
+    busy = asyncio.ensure_future(raw.eval(spin, 0))
     await asyncio.sleep(0.05)
     assert await shared.claim(claim([1], "X")) is None
     assert _errors(shared, "timeout") == 1

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
 
 from prefix_router.sim.config import SimConfig
@@ -31,7 +32,7 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
         yield session
 
 
-def chat_messages(question: str) -> list[dict[str, str]]:
+def chat_messages(question: str) -> list[ChatCompletionMessageParam]:
     return [{"role": "system", "content": LONG_SYSTEM_PROMPT}, {"role": "user", "content": question}]
 
 

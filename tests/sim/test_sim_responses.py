@@ -6,6 +6,7 @@ from __future__ import annotations
 import aiohttp
 import openai
 import pytest
+from openai.types.responses import ResponseCompletedEvent
 
 from prefix_router.sim.config import SimConfig
 from prefix_router.sim.fleet import SimBackend
@@ -96,7 +97,9 @@ async def test_a_streamed_response_is_stored_and_replayed(client: openai.AsyncOp
     assert kinds[:2] == ["response.created", "response.in_progress"]
     assert kinds[-1] == "response.completed"
     assert [e.sequence_number for e in events] == list(range(len(events)))
-    done = events[-1].response
+    last = events[-1]
+    assert isinstance(last, ResponseCompletedEvent)
+    done = last.response
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert deltas == done.output_text
     replayed = [e async for e in await client.responses.retrieve(done.id, stream=True)]
@@ -105,7 +108,7 @@ async def test_a_streamed_response_is_stored_and_replayed(client: openai.AsyncOp
 
 async def test_store_false_keeps_nothing(client: openai.AsyncOpenAI, backend: SimBackend) -> None:
     made = await client.responses.create(model="sim-llama", input="hi", store=False, max_output_tokens=1)
-    assert made.store is False
+    assert made.to_dict()["store"] is False
     with pytest.raises(openai.NotFoundError):
         await client.responses.retrieve(made.id)
     assert backend.server.stats()["stored_responses"] == 0
