@@ -210,8 +210,9 @@ class RouterProcess:
 
 def clean_env(**extra: str) -> dict[str, str]:
     """This process's environment without PREFIX_ROUTER_* (a caller's own settings must not leak into a
-    child router), plus `extra`."""
-    return {**{k: v for k, v in os.environ.items() if not k.startswith("PREFIX_ROUTER_")}, **extra}
+    child router, which also refuses variables of that prefix it does not know, such as the vLLM
+    tier's PREFIX_ROUTER_VLLM_*), plus `extra`."""
+    return {**{k: v for k, v in os.environ.items() if not k.upper().startswith("PREFIX_ROUTER_")}, **extra}
 
 
 def launch_router(

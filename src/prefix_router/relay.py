@@ -32,7 +32,7 @@ from prefix_router.errors import (
 from prefix_router.fleet.backends import BackendSet
 from prefix_router.fleet.models import ModelDirectory
 from prefix_router.fleet.shared_state import SharedPlacement
-from prefix_router.frontend.http1 import Exchange
+from prefix_router.frontend.exchange import Exchange
 from prefix_router.ops.metrics import RouterMetrics
 from prefix_router.placement import CapacityWaiters, PrefillEvents
 from prefix_router.routing.keys import RoutingKey, extract_key
