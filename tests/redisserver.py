@@ -14,6 +14,7 @@ import subprocess
 import tempfile
 
 from loopback import free_port, wait_until
+from processes import stop_process
 
 
 def redis_binary() -> str:
@@ -70,13 +71,8 @@ class RedisServer:
 
     def kill(self) -> None:
         """Terminate the server process and wait for it."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
+        if self.process is not None:
+            stop_process(self.process)
         if self.process is not None and self.process.stderr is not None:
             self.process.stderr.close()
         self.process = None

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import sys
 from collections import Counter
 
 import aiohttp
 import httpx
 
 from fakebackend import Reply
-from loopback import free_port, port_answers
+from loopback import free_port
+from processes import clean_env, launch_router
 from routerkit import eventually, router_settings, start_side_app
 
 CHAT = "/v1/chat/completions"
@@ -158,23 +157,21 @@ async def test_hot_prefix_at_10x_capacity_keeps_every_backend_within_bound(fake_
     assert max(b.peak_active for b in backends) <= 3
 
 
-async def test_sigterm_fails_readyz_stops_accepting_and_finishes_streams(fake_backends) -> None:
+async def test_sigterm_fails_readyz_stops_accepting_and_finishes_streams(fake_backends, tmp_path) -> None:
     backends = await fake_backends(1, chunk_delay_s=0.1)
-    port, mport = free_port(), free_port()
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "prefix_router", "serve", "--backend", backends[0].url,
-        "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(mport),
-        env={**os.environ, "PREFIX_ROUTER_SERVER__DRAIN_TIMEOUT_S": "20"},
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-    )  # fmt: skip
+    env = clean_env(PREFIX_ROUTER_SERVER__DRAIN_TIMEOUT_S="20")
+    router = launch_router(
+        ["--backend", backends[0].url], tmp_path / "router.log", env=env, metrics_port=free_port()
+    )
+    port, mport = router.port, router.metrics_port
     try:
-        await eventually(lambda: port_answers(port) and port_answers(mport), 20)
+        await router.ready(timeout_s=20)
         async with aiohttp.ClientSession() as s:
             assert (await s.get(f"http://127.0.0.1:{mport}/readyz")).status == 200
             streams = [await s.get(f"http://127.0.0.1:{port}/stream?n=20&i={i}") for i in range(3)]
             for resp in streams:
                 await resp.content.readuntil(b"\n\n")
-            proc.send_signal(signal.SIGTERM)
+            router.proc.send_signal(signal.SIGTERM)
             await asyncio.sleep(0.3)
             ready = await s.get(f"http://127.0.0.1:{mport}/readyz")
             assert ready.status == 503, "readiness fails at once"
@@ -189,8 +186,6 @@ async def test_sigterm_fails_readyz_stops_accepting_and_finishes_streams(fake_ba
         for body in bodies:
             assert body.rstrip().endswith(b"data: [DONE]"), "no stream is cut inside the drain window"
             assert Counter(body.split(b"\n\n"))[b""] <= 1
-        assert await asyncio.wait_for(proc.wait(), 20) == 0
+        assert await asyncio.to_thread(router.proc.wait, 20) == 0
     finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        router.stop()
