@@ -1,6 +1,7 @@
 """The benchmarks' harness: what every benchmark prints and saves (the machine, the versions, the command
-that reproduces it, one results line), and one way to start what it measures on random loopback ports
-and stop it. The ports, waits, child processes and raw HTTP reader are the tests' kit (tests/), shared.
+that reproduces it, one results line), CPU meters, and the peer's command line. Importing it puts tests/
+on the path: the benchmarks start, wait for and stop what they measure with the tests' kit (loopback,
+processes, rawhttp), so there is one way to do each.
 """
 
 from __future__ import annotations
@@ -20,61 +21,10 @@ from typing import Any
 
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent / "tests"))  # after the script's folder
 
-from loopback import free_port, port_answers, wait_for_port, wait_until
-from processes import (
-    ExitedEarly,
-    RouterProcess,
-    clean_env,
-    http_status,
-    launch_router,
-    log_tail,
-    pinned,
-    start_process,
-    start_server,
-    stop_process,
-    stop_processes,
-    wait_serving,
-)
-from rawhttp import read_response
+from loopback import free_port
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 REPO_ROOT = Path(__file__).resolve().parent.parent
-
-__all__ = [
-    "REPO_ROOT",
-    "RESULTS_DIR",
-    "BackgroundMeter",
-    "ExitedEarly",
-    "RouterProcess",
-    "busy_seconds",
-    "children_cpu_seconds",
-    "clean_env",
-    "command_line",
-    "cpu_seconds",
-    "free_port",
-    "http_status",
-    "launch_router",
-    "log_tail",
-    "machine_info",
-    "markdown_table",
-    "median",
-    "package_version",
-    "pinned",
-    "port_answers",
-    "print_header",
-    "read_response",
-    "report_results",
-    "sglang_router_argv",
-    "start_process",
-    "start_server",
-    "stop_process",
-    "stop_processes",
-    "tool_version",
-    "wait_for_port",
-    "wait_serving",
-    "wait_until",
-    "write_results",
-]
 
 
 def cpu_model() -> str:

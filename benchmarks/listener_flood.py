@@ -15,7 +15,9 @@ import time
 from collections import Counter
 
 import listener_memory as lm
-from _common import markdown_table, package_version, print_header, read_response, report_results
+from _common import markdown_table, package_version, print_header, report_results
+
+from rawhttp import read_response
 
 
 async def flooder(port: int, answers: Counter[str]) -> None:

@@ -26,18 +26,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from _common import (
-    RouterProcess,
-    free_port,
-    launch_router,
-    markdown_table,
-    package_version,
-    print_header,
-    read_response,
-    report_results,
-    start_server,
-    stop_process,
-)
+from _common import markdown_table, package_version, print_header, report_results
+
+from loopback import free_port
+from processes import RouterProcess, launch_router, start_server, stop_process
+from rawhttp import read_response
 
 MiB = 1024 * 1024
 

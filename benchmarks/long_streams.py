@@ -35,24 +35,14 @@ import time
 from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (
-    RouterProcess,
-    busy_seconds,
-    clean_env,
-    cpu_seconds,
-    free_port,
-    launch_router,
-    markdown_table,
-    package_version,
-    print_header,
-    report_results,
-    start_server,
-    stop_processes,
-)
+from _common import busy_seconds, cpu_seconds, markdown_table, package_version, print_header, report_results
+
+from loopback import free_port
+from processes import RouterProcess, clean_env, launch_router, start_server, stop_processes
 
 # One event: its write time (perf_counter_ns: CLOCK_MONOTONIC, the same in every process) goes in "t".
 EVENT_HEAD = b'data: {"t":'
@@ -158,9 +148,8 @@ class StreamClient(asyncio.Protocol):
         self.established: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
-        transport.write(
+        self.transport = stream = cast(asyncio.Transport, transport)  # uvloop's is no asyncio.Transport
+        stream.write(
             b"POST /v1/chat/completions?stream=%d HTTP/1.1\r\nhost: 127.0.0.1:%d\r\n"
             b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
             % (self.stream, self.port, len(REQUEST_BODY), REQUEST_BODY)

@@ -37,26 +37,28 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (
-    ExitedEarly,
     busy_seconds,
     children_cpu_seconds,
-    clean_env,
     cpu_seconds,
-    free_port,
-    launch_router,
-    log_tail,
     markdown_table,
     median,
     package_version,
-    pinned,
     print_header,
     report_results,
     sglang_router_argv,
+    tool_version,
+)
+
+from loopback import free_port, wait_until
+from processes import (
+    ExitedEarly,
+    clean_env,
+    launch_router,
+    log_tail,
+    pinned,
     start_process,
     start_server,
     stop_process,
-    tool_version,
-    wait_until,
 )
 
 CHAT_PATH = "/v1/chat/completions"

@@ -35,16 +35,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (
-    RESULTS_DIR,
-    RouterProcess,
-    launch_router,
-    markdown_table,
-    package_version,
-    print_header,
-    stop_processes,
-    write_results,
-)
+from _common import RESULTS_DIR, markdown_table, package_version, print_header, write_results
 from prefix_router import __version__
 from prefix_router.loadgen.drivers import (
     RequestResult,
@@ -59,6 +50,8 @@ from prefix_router.loadgen.drivers import (
 from prefix_router.loadgen.workloads import Workload, hot_prefix, oracle_hit_rate
 from prefix_router.sim.config import SimConfig
 from prefix_router.sim.fleet import SimFleet
+
+from processes import RouterProcess, launch_router, stop_processes
 
 REPLICAS = 3
 BACKENDS = 4

@@ -65,18 +65,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (
-    RESULTS_DIR,
-    clean_env,
-    free_port,
-    http_status,
-    log_tail,
-    package_version,
-    print_header,
-    sglang_router_argv,
-    start_process,
-    stop_processes,
-)
+from _common import RESULTS_DIR, package_version, print_header, sglang_router_argv
 from prefix_router import __version__
 from prefix_router.loadgen.drivers import RunSummary, Target, balanced_placement, client_session, measure
 from prefix_router.loadgen.traces import (
@@ -104,7 +93,8 @@ from prefix_router.loadgen.workloads import (
 from prefix_router.sim.config import SimConfig
 from prefix_router.sim.fleet import SimFleet
 
-from loopback import eventually
+from loopback import eventually, free_port
+from processes import clean_env, http_status, log_tail, start_process, stop_processes
 from redisserver import RedisServer
 
 MAX_NUM_SEQS = 8  # per simulated backend; the router's max_inflight is twice this

@@ -33,21 +33,13 @@ from redis.asyncio import Redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (
-    RouterProcess,
-    free_port,
-    launch_router,
-    markdown_table,
-    package_version,
-    print_header,
-    report_results,
-    start_server,
-    stop_processes,
-)
+from _common import markdown_table, package_version, print_header, report_results
 from prefix_router import __version__
 from prefix_router.fleet.shared_state import SharedPlacement
 from prefix_router.routing.shared_view import ClaimRequest
 
+from loopback import free_port
+from processes import RouterProcess, launch_router, start_server, stop_processes
 from redisserver import RedisServer
 
 HERE = Path(__file__).resolve().parent

@@ -51,20 +51,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import aiohttp
 import orjson
 
-from _common import (
-    RouterProcess,
-    busy_seconds,
-    clean_env,
-    cpu_seconds,
-    free_port,
-    launch_router,
-    markdown_table,
-    package_version,
-    print_header,
-    report_results,
-    start_server,
-    stop_processes,
-)
+from _common import busy_seconds, cpu_seconds, markdown_table, package_version, print_header, report_results
+
+from loopback import free_port
+from processes import RouterProcess, clean_env, launch_router, start_server, stop_processes
 
 CHAT_PATH = "/v1/chat/completions"
 TENANT_HEADER = "x-prefix-cache-key"

@@ -35,17 +35,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "vllm"
 
 from _common import (
     BackgroundMeter,
-    free_port,
-    launch_router,
     markdown_table,
     package_version,
-    pinned,
     print_header,
     report_results,
     sglang_router_argv,
-    start_process,
-    stop_processes,
 )
+
+from loopback import free_port
+from processes import launch_router, pinned, start_process, stop_processes
 
 CHAT_PATH = b"/v1/chat/completions"
 
