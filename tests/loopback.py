@@ -61,7 +61,10 @@ def wait_for_port(port: int, timeout_s: float = 20.0) -> None:
 
 
 async def eventually(
-    predicate: Callable[[], bool | Awaitable[bool]], timeout_s: float = 10.0, what: str = "condition"
+    predicate: Callable[[], bool | Awaitable[bool]],
+    timeout_s: float = 10.0,
+    what: str = "condition",
+    poll_s: float = POLL_S,
 ) -> None:
     """Poll until predicate() holds (it may be a coroutine function), failing the test after a
     generous bound. Nothing about timing is asserted."""
@@ -75,7 +78,7 @@ async def eventually(
             return
         if loop.time() > deadline:
             raise AssertionError(f"{what} not reached in {timeout_s:g} s")
-        await asyncio.sleep(POLL_S)
+        await asyncio.sleep(poll_s)
 
 
 async def eventually_equal(

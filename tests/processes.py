@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loopback import free_port, port_answers, wait_until
+from loopback import eventually, free_port, port_answers, wait_until
 
 
 def pinned(argv: list[str], cpus: str | None) -> list[str]:
@@ -182,24 +182,17 @@ class RouterProcess:
     def wait_ready(self, *, readyz: bool = False, timeout_s: float = 30.0) -> None:
         """Block until its ports accept connections (or, with readyz, until /readyz answers 200: a
         backend is healthy); ExitedEarly if it dies first, TimeoutError with its log after timeout_s."""
-        deadline = time.monotonic() + timeout_s
-        while not self._ready_now(readyz):
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"router on :{self.port} not ready after {timeout_s:g} s:\n{log_tail(self.log)}"
-                )
-            time.sleep(0.05)
+        try:
+            wait_until(lambda: self._ready_now(readyz), timeout_s, "ready")
+        except TimeoutError:
+            raise self._not_ready(timeout_s) from None
 
     async def ready(self, *, readyz: bool = False, timeout_s: float = 30.0) -> None:
         """wait_ready for a caller whose event loop must keep running (in-process backends)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while not await asyncio.to_thread(self._ready_now, readyz):
-            if loop.time() > deadline:
-                raise TimeoutError(
-                    f"router on :{self.port} not ready after {timeout_s:g} s:\n{log_tail(self.log)}"
-                )
-            await asyncio.sleep(0.05)
+        try:
+            await eventually(lambda: asyncio.to_thread(self._ready_now, readyz), timeout_s, "ready", 0.05)
+        except AssertionError:
+            raise self._not_ready(timeout_s) from None
 
     def _not_ready(self, timeout_s: float) -> TimeoutError:
         return TimeoutError(f"router on :{self.port} not ready after {timeout_s:g} s:\n{log_tail(self.log)}")
