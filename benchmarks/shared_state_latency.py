@@ -38,7 +38,7 @@ from prefix_router import __version__
 from prefix_router.fleet.shared_state import SharedPlacement
 from prefix_router.routing.shared_view import ClaimRequest
 
-from loopback import free_port
+from loopback import eventually, free_port
 from processes import RouterProcess, launch_router, start_server, stop_processes
 from redisserver import RedisServer
 
@@ -94,10 +94,7 @@ async def round_trips(url: str, n: int) -> dict[str, float]:
     PING from redis-py: what the script costs over the bare round trip."""
     shared = SharedPlacement(url, 1.0, CollectorRegistry())
     task = asyncio.get_running_loop().create_task(shared.run())
-    for _ in range(500):
-        if shared.up:
-            break
-        await asyncio.sleep(0.01)
+    await eventually(lambda: shared.up, 5, "the shared store connected")
     listed = tuple(f"http://10.9.0.{i}:8000" for i in range(4))
     redis = Redis.from_url(url)  # the same library, its own pool
     out: dict[str, float] = {}

@@ -53,7 +53,7 @@ import orjson
 
 from _common import busy_seconds, cpu_seconds, markdown_table, package_version, print_header, report_results
 
-from loopback import free_port
+from loopback import free_port, wait_until
 from processes import RouterProcess, clean_env, launch_router, start_server, stop_processes
 
 CHAT_PATH = "/v1/chat/completions"
@@ -124,7 +124,7 @@ def start_router(
         flags, log, env=env, cpus=cpu_list(cpus), metrics_port=metrics_port, python_code=code
     )
     try:
-        router.wait_ready()
+        router.wait_ready(timeout_s=180 if trace_dir is not None else 30)  # tracemalloc: imports ~20x slower
     except BaseException:
         router.stop()
         raise
@@ -505,11 +505,7 @@ def trace_report(trace_dir: Path, top: int = 25) -> dict[str, Any]:
 
 def signal_dump(pid: int, trace_dir: Path, seq: int, timeout_s: float = 120) -> None:
     os.kill(pid, signal.SIGUSR1)
-    deadline = time.monotonic() + timeout_s
-    while not (trace_dir / f"done{seq}").exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError("the router did not dump its snapshot")
-        time.sleep(0.1)
+    wait_until(lambda: (trace_dir / f"done{seq}").exists(), timeout_s, "the router's snapshot", 0.1)
 
 
 def pct(values: list[float], q: float) -> float:

@@ -42,7 +42,7 @@ from _common import (
     sglang_router_argv,
 )
 
-from loopback import free_port
+from loopback import free_port, wait_until
 from processes import launch_router, pinned, start_process, stop_processes
 
 CHAT_PATH = b"/v1/chat/completions"
@@ -172,20 +172,25 @@ class Target:
 
 
 def wait_stream_ready(port: int, body: bytes, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
     last: Exception | None = None
-    while time.monotonic() < deadline:
+
+    def streams() -> bool:
+        nonlocal last
         try:
             client = RawStreamClient(port)
             try:
                 client.stream(body)
-                return
+                return True
             finally:
                 client.close()
         except (OSError, RuntimeError) as exc:
             last = exc
-            time.sleep(0.3)
-    raise TimeoutError(f"no streaming answer on :{port} within {timeout_s:g} s: {last}")
+            return False
+
+    try:
+        wait_until(streams, timeout_s, f"a streaming answer on :{port}", 0.3)
+    except TimeoutError:
+        raise TimeoutError(f"no streaming answer on :{port} within {timeout_s:g} s: {last}") from None
 
 
 def start_router(work: Path, backend: str, cpus: str | None) -> Target:
