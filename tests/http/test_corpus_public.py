@@ -15,7 +15,8 @@ built by tools/build_http_corpus.py; the checks are corpus_wire's.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import pytest
 import pytest_asyncio
@@ -26,9 +27,13 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 CORPORA = {name: load_corpus(name) for name in ("llhttp", "garden", "smuggler", "h11", "uvicorn")}
 
 
-def cases(*names: str) -> Any:
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def cases(*names: str) -> Callable[[F], F]:
     chosen = [{**c, "id": f"{name}/{c['id']}"} for name in names for c in CORPORA[name]]
-    return pytest.mark.parametrize("case", chosen, ids=[c["id"] for c in chosen])
+    mark: Callable[[F], F] = pytest.mark.parametrize("case", chosen, ids=[c["id"] for c in chosen])
+    return mark
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
