@@ -10,6 +10,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -139,6 +140,56 @@ def sglang_router_argv(
         "--policy", "cache_aware", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warn",
         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), *extra,
     ]  # fmt: skip
+
+
+NGINX_CONF = """\
+worker_processes 1;
+master_process off;
+daemon off;
+pid {work}/nginx.pid;
+error_log {work}/nginx-error.log warn;
+events {{ worker_connections 8192; }}
+http {{
+    access_log off;
+    client_body_temp_path {work}/body;
+    proxy_temp_path {work}/proxy;
+    fastcgi_temp_path {work}/fastcgi;
+    uwsgi_temp_path {work}/uwsgi;
+    scgi_temp_path {work}/scgi;
+    client_max_body_size 64m;
+    keepalive_requests 1000000;
+    upstream backend {{
+{servers}
+        keepalive 1024;
+        keepalive_requests 1000000;
+    }}
+    server {{
+        listen 127.0.0.1:{port} backlog=4096;
+        location / {{
+            proxy_pass http://backend;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+        }}
+    }}
+}}
+"""
+
+
+def nginx_executable() -> str | None:
+    return shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+
+
+def nginx_conf(work: Path, upstream_ports: Sequence[int], port: int) -> str:
+    """nginx in the foreground, one worker, on 127.0.0.1:port: round robin over 127.0.0.1:upstream_ports
+    with kept-alive HTTP/1.1 upstream connections and no buffering (streams pass through as they come);
+    its pid, logs and temp files under `work`."""
+    servers = "\n".join(f"        server 127.0.0.1:{p};" for p in upstream_ports)
+    return NGINX_CONF.format(work=work, servers=servers, port=port)
+
+
+def nginx_argv(exe: str, work: Path, conf: Path) -> list[str]:
+    return [exe, "-c", str(conf), "-p", str(work), "-e", str(work / "err.log")]
 
 
 def cpu_seconds(pid: int) -> float:

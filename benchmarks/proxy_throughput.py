@@ -42,6 +42,9 @@ from _common import (
     cpu_seconds,
     markdown_table,
     median,
+    nginx_argv,
+    nginx_conf,
+    nginx_executable,
     package_version,
     print_header,
     report_results,
@@ -458,42 +461,8 @@ def start_router(work: Path, backend_port: int, cpus: str | None, *, uvloop: boo
     return Target(name, router.port, router.proc, log=router.log, extra={"env": env})
 
 
-NGINX_CONF = """\
-worker_processes 1;
-master_process off;
-daemon off;
-pid {work}/nginx.pid;
-error_log {work}/nginx-error.log warn;
-events {{ worker_connections 8192; }}
-http {{
-    access_log off;
-    client_body_temp_path {work}/body;
-    proxy_temp_path {work}/proxy;
-    fastcgi_temp_path {work}/fastcgi;
-    uwsgi_temp_path {work}/uwsgi;
-    scgi_temp_path {work}/scgi;
-    client_max_body_size 64m;
-    keepalive_requests 1000000;
-    upstream backend {{
-        server 127.0.0.1:{backend_port};
-        keepalive 1024;
-        keepalive_requests 1000000;
-    }}
-    server {{
-        listen 127.0.0.1:{port} backlog=4096;
-        location / {{
-            proxy_pass http://backend;
-            proxy_http_version 1.1;
-            proxy_set_header Connection "";
-            proxy_buffering off;
-        }}
-    }}
-}}
-"""
-
-
 def start_nginx(work: Path, backend_port: int, cpus: str | None) -> Target | None:
-    exe = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+    exe = nginx_executable()
     if exe is None:
         print("nginx is not installed: skipping (apt-get install -y nginx)", file=sys.stderr)
         return None
@@ -501,11 +470,9 @@ def start_nginx(work: Path, backend_port: int, cpus: str | None) -> Target | Non
     ndir = work / "nginx"
     ndir.mkdir()
     conf = ndir / "nginx.conf"
-    conf.write_text(NGINX_CONF.format(work=ndir, backend_port=backend_port, port=port))
+    conf.write_text(nginx_conf(ndir, [backend_port], port))
     log = ndir / "nginx.log"
-    proc = start_process(
-        pinned([exe, "-c", str(conf), "-p", str(ndir), "-e", str(ndir / "err.log")], cpus), log
-    )
+    proc = start_process(pinned(nginx_argv(exe, ndir, conf), cpus), log)
     wait_http_ready(port, CHAT_PATH, proc, log, 20)
     return Target("nginx", port, proc, workdir=ndir, log=log, extra={"conf": conf.read_text()})
 
