@@ -2,6 +2,7 @@
 # prefix-router container image.
 #
 #   docker build -t prefix-router:dev .
+#   docker run --rm -p 8080:8080 -e PREFIX_ROUTER_BACKENDS=http://vllm-0:8000,http://vllm-1:8000 prefix-router:dev
 #   docker run --rm -p 8080:8080 -v "$PWD/config.yaml:/etc/prefix-router/config.yaml:ro" prefix-router:dev
 #
 # Two stages: the builder makes a wheel of the project and a virtualenv holding exactly the pins of

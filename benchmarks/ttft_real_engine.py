@@ -190,7 +190,10 @@ def start_router(work: Path, backend: str, cpus: str | None) -> Target:
     port = free_port()
     exe = shutil.which("prefix-router") or str(Path(sys.executable).parent / "prefix-router")
     argv = [exe, "serve", "--backend", backend, "--host", "127.0.0.1", "--port", str(port)]
-    env = {**os.environ, "PREFIX_ROUTER_SERVER__LOG_LEVEL": "warning"}
+    # Without the vLLM tier's own PREFIX_ROUTER_VLLM_* variables, which the router would refuse as
+    # settings it does not know.
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("PREFIX_ROUTER_VLLM_")}
+    env["PREFIX_ROUTER_SERVER__LOG_LEVEL"] = "warning"
     proc = start_process(pinned(argv, cpus), work / "prefix-router.log", env)
     wait_for_port(port, 30)
     return Target("prefix-router", port, proc)

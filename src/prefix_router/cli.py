@@ -1,4 +1,8 @@
-"""The `prefix-router` command: `serve`, `demo`, `sim`."""
+"""The `prefix-router` command: `serve`, `demo`, `sim`.
+
+What a user meets first: every refusal (a bad setting, a missing extra, a taken port, no backends) is one
+line on stderr and exit 2, before anything starts; Ctrl-C ends with one line, never a traceback.
+"""
 
 from __future__ import annotations
 
@@ -6,17 +10,35 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
-from typing import Any
-
-import prometheus_client
+from typing import TYPE_CHECKING, Any
 
 from prefix_router import __version__
-from prefix_router.errors import SettingsError
-from prefix_router.routing.config import Policy
-from prefix_router.settings import Settings, load_settings
+
+if TYPE_CHECKING:
+    from prefix_router.settings import Settings
+
+# Everything else is imported inside the functions, after main() has its Ctrl-C guard: an interrupt
+# while the libraries load must end as quietly as one while serving.
+
+SERVE_EXAMPLES = """\
+examples:
+  prefix-router serve --backend http://vllm-0:8000 --backend http://vllm-1:8000
+  prefix-router serve --config router.yaml --port 9000
+  PREFIX_ROUTER_BACKENDS=http://vllm-0:8000,http://vllm-1:8000 prefix-router serve
+  PREFIX_ROUTER_BALANCING__MAX_INFLIGHT=16 prefix-router serve --config router.yaml
+
+Flags beat PREFIX_ROUTER_<SECTION>__<FIELD> variables, which beat the config file.
+"""
+
+NO_BACKENDS = (
+    "config error: backends: none given; pass --backend URL, set PREFIX_ROUTER_BACKENDS=http://host:8000 "
+    "(comma-separated), list them in the config file, or set discovery.mode to dns or kubernetes"
+)
 
 
 def _add_router_flags(parser: argparse.ArgumentParser) -> None:
+    from prefix_router.routing.config import Policy
+
     parser.add_argument(
         "--config",
         metavar="FILE",
@@ -72,7 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"prefix-router {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    serve = sub.add_parser("serve", help="run the router in front of real backends")
+    serve = sub.add_parser(
+        "serve",
+        help="run the router in front of real backends",
+        description="Run the router in front of vLLM backends.",
+        epilog=SERVE_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _add_router_flags(serve)
 
     from prefix_router.demo.run import add_demo_arguments
@@ -86,51 +114,87 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-
-def load_or_exit(args: argparse.Namespace, extra: dict[str, Any] | None = None) -> Settings:
-    try:
-        overrides = overrides_from_args(args)
-        if extra:
-            for section, values in extra.items():
-                if isinstance(values, dict):
-                    out = dict(values)
-                    out.update(overrides.get(section, {}))
-                    overrides[section] = out
-                elif section not in overrides:
-                    overrides[section] = values
-        return load_settings(args.config, overrides)
-    except SettingsError as exc:
-        print(f"prefix-router: {exc}", file=sys.stderr)
-        raise SystemExit(2) from exc
-
-
-def run_serve(args: argparse.Namespace) -> int:
-    from prefix_router.router import create_app
-    from prefix_router.runtime import run_loop, serve
-
-    settings = load_or_exit(args)
-    configure_logging(settings.server.log_level)
+def configure_logging(settings: Settings) -> None:
+    """The process's log handlers: set here, by the command, never by a constructor."""
+    logging.basicConfig(
+        level=settings.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     if settings.server.access_log:
         from prefix_router.ops.access_log import LOGGER_NAME, route_to_stdout
 
         route_to_stdout(logging.getLogger(LOGGER_NAME))
-    if not settings.backends and settings.discovery.mode.value == "static":
-        print(
-            "prefix-router: config error: backends: no backends (give --backend URL or a config file)",
-            file=sys.stderr,
-        )
-        return 2
-    return run_loop(serve(create_app(settings)))
+
+
+def fail(message: str, prog: str = "prefix-router") -> int:
+    """One line on stderr; exit code 2 (a usage or configuration error, as argparse's own)."""
+    print(f"{prog}: {message}", file=sys.stderr)
+    return 2
+
+
+def check_discovery(settings: Settings) -> None:
+    """Build (not run) the discovery source now, so a missing extra or namespace is a start-up error.
+
+    The missing `kubernetes` extra is named first: without it nothing else about the mode matters.
+    """
+    from prefix_router.fleet.discovery import build_discovery
+    from prefix_router.settings import DiscoveryMode
+
+    if settings.discovery.mode is DiscoveryMode.KUBERNETES:
+        from prefix_router.fleet.discovery.kubernetes import import_kubernetes_client
+
+        import_kubernetes_client()
+    build_discovery(settings.discovery, ())
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from prefix_router.errors import SettingsError
+    from prefix_router.router import create_app
+    from prefix_router.runtime import PortInUse, bind_sockets, run_loop, serve
+    from prefix_router.settings import DiscoveryMode, load_settings
+
+    try:
+        settings = load_settings(args.config, overrides_from_args(args))
+        if not settings.backends and settings.discovery.mode is DiscoveryMode.STATIC:
+            return fail(NO_BACKENDS)
+        check_discovery(settings)
+    except SettingsError as exc:
+        return fail(str(exc))
+    s = settings.server
+    try:
+        sockets = bind_sockets(s.host, s.port)
+    except PortInUse as exc:
+        return fail(exc.describe())
+    except OSError as exc:
+        return fail(f"cannot listen on {s.host}:{s.port}: {exc.strerror or exc}")
+    configure_logging(settings)
+    try:
+        code = run_loop(serve(create_app(settings), sockets))
+    except SettingsError as exc:  # raised while starting (discovery reads its environment then)
+        return fail(str(exc))
+    finally:
+        for sock in sockets:
+            sock.close()
+    if code == 0:
+        print("prefix-router: stopped", file=sys.stderr)
+    return code
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        # Ctrl-C before a command's own handler is installed, or where it has none (demo --load): the
+        # loop has already cancelled and cleaned up its tasks. One line, and the shell's 128 + SIGINT.
+        print("prefix-router: stopped", file=sys.stderr)
+        return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    import prometheus_client
+
     # The process's one global switch: no `_created` series (they double every counter's series).
     prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     if args.command == "serve":
         return run_serve(args)
     if args.command == "demo":

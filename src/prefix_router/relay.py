@@ -29,7 +29,7 @@ from prefix_router.errors import (
     UpstreamError,
 )
 from prefix_router.fleet.backends import BackendSet
-from prefix_router.frontend.http1 import Exchange
+from prefix_router.frontend.exchange import Exchange
 from prefix_router.ops.metrics import RouterMetrics
 from prefix_router.placement import Placement, Placer
 from prefix_router.routing.keys import RoutingKey, extract_key

@@ -1,25 +1,21 @@
-"""`create_app(settings)`: the router, its resources owned by start()/stop().
+"""`create_app(settings)`: the composition root. It builds the router's parts from the settings, wires
+them, and owns their start and stop.
 
-The main port's requests come from frontend.http1.Listener to `RouterApp.handle`: the local routes
-(/healthz, /readyz, /metrics) are answered here, everything else is `Proxy.handle`. FastAPI serves
-the metrics port and the admin API on their own listeners. This module holds the only table from
-errors to HTTP statuses.
+The main port's requests come from a front end (frontend.http1.Listener) to `RouterApp.handle`: the
+local routes (frontend.local_routes) and the fleet's `/v1/models` are answered here, everything else is
+`Proxy.handle`. The metrics port and the admin API are ops.admin's FastAPI apps.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import random
 from typing import Any
 
 import orjson
-from fastapi import FastAPI, Request, Response
-from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from pydantic import BaseModel
 
 from prefix_router import errors
 from prefix_router.fleet.backends import BackendSet, BackendSpec, HealthPolicy
@@ -30,68 +26,28 @@ from prefix_router.fleet.load_signal import LoadSignalScraper
 from prefix_router.fleet.model_probe import ModelProber
 from prefix_router.fleet.models import AdapterPolicy, ModelDirectory
 from prefix_router.fleet.shared_state import SharedPlacement
-from prefix_router.frontend.http1 import Exchange, ResponseParts
+from prefix_router.frontend.exchange import Exchange, ResponseParts
+from prefix_router.frontend.local_routes import (
+    LOCAL_PATHS,
+    LOCAL_RAW_PATHS,
+    LocalRoutes,
+    error_code,
+    error_response_parts,
+    json_parts,
+)
 from prefix_router.ops.access_log import LOGGER_NAME, JsonAccessLog
+from prefix_router.ops.admin import build_admin_app, build_metrics_app
 from prefix_router.ops.metrics import BackendStatus, FleetSnapshot, RouterMetrics
 from prefix_router.placement import PlacementConfig, Placer
 from prefix_router.relay import Proxy
 from prefix_router.routing.picker import Picker
-from prefix_router.settings import Settings, normalise_backend_url
+from prefix_router.settings import Settings
 from prefix_router.upstream.client import Upstream
 
 log = logging.getLogger("prefix_router")
 access_log = logging.getLogger(LOGGER_NAME)
 
-LOCAL_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 MODELS_PATH = "/v1/models"
-# Matched on the path as sent: `/%68ealthz` is the backend's to answer, as nginx's exact `location =`
-# matches the raw URI; a decoded match would answer for a path the client did not write.
-_LOCAL_RAW_PATHS = frozenset(p.encode() for p in LOCAL_PATHS)
-_JSON = b"application/json"
-
-# error class -> (status, OpenAI error type, code). The first match in MRO order wins.
-ERROR_TABLE: dict[type[errors.RouterError], tuple[int, str, str]] = {
-    errors.BodyTooLarge: (413, "invalid_request_error", "body_too_large"),
-    errors.MethodNotAllowed: (405, "invalid_request_error", "bad_request"),
-    errors.RequestTimeout: (408, "invalid_request_error", "request_timeout"),
-    errors.HeadersTooLarge: (431, "invalid_request_error", "headers_too_large"),
-    errors.NotImplementedHere: (501, "invalid_request_error", "not_implemented"),
-    errors.VersionNotSupported: (505, "invalid_request_error", "http_version_not_supported"),
-    errors.BadRequest: (400, "invalid_request_error", "bad_request"),
-    errors.ModelNotFound: (404, "invalid_request_error", "model_not_found"),
-    errors.ResponseNotFound: (404, "invalid_request_error", "response_not_found"),
-    errors.NoBackend: (503, "server_error", "no_backend"),
-    errors.Overloaded: (503, "server_error", "overloaded"),
-    errors.FirstByteTimeout: (504, "server_error", "upstream_timeout"),
-    errors.UpstreamError: (502, "server_error", "upstream_unavailable"),
-    errors.RequestError: (400, "invalid_request_error", "bad_request"),
-    errors.InternalError: (500, "server_error", "internal_error"),
-    errors.RouterError: (500, "server_error", "internal_error"),
-}
-
-
-def error_code(exc: errors.RouterError) -> tuple[int, str, str]:
-    """(status, OpenAI error type, code) of the nearest class of `exc` in ERROR_TABLE."""
-    for cls in type(exc).__mro__:
-        if cls in ERROR_TABLE:
-            return ERROR_TABLE[cls]
-    return ERROR_TABLE[errors.RouterError]  # pragma: no cover - every RouterError has an ancestor entry
-
-
-def error_response_parts(exc: errors.RouterError) -> ResponseParts:
-    """Status, headers and OpenAI-shaped JSON body for an error the router answers itself."""
-    status, kind, code = error_code(exc)
-    body = orjson.dumps({"error": {"message": str(exc), "type": kind, "code": code, "param": None}})
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    if isinstance(exc, errors.Overloaded):
-        headers.append((b"retry-after", str(exc.retry_after_s).encode()))
-    if status in (400, 405, 408, 413, 431, 501, 505):
-        headers.append((b"connection", b"close"))
-    return status, headers, body
-
-
-class DrainRequest(BaseModel):
-    url: str
 
 
 class RouterApp:
@@ -145,7 +101,6 @@ class RouterApp:
         self.draining = False
         self.access_log: JsonAccessLog | None = None
         if settings.server.access_log:
-            access_log.setLevel(logging.INFO)  # shown whatever log_level says: it was asked for
             skip = () if settings.server.access_log_probes else LOCAL_PATHS
             self.access_log = JsonAccessLog(access_log, skip)
         self._known: set[str] = set(b.url for b in self.backends.backends())
@@ -153,13 +108,16 @@ class RouterApp:
             self.metrics.backend(url)  # its series at 0 from the start
         self.backends.on_change(self._membership_changed)
         self._tasks: list[asyncio.Task[None]] = []
-        self.metrics_app = self._build_metrics_app()
-        self.admin_app = self._build_admin_app()
+        self.local_routes = LocalRoutes(self._not_ready, self._metrics_exposition)
+        self.metrics_app = build_metrics_app(self.local_answer)
+        self.admin_app = build_admin_app(
+            settings.server.admin_token, self.backends, self.models, self.snapshot
+        )
 
     # -- the main port -------------------------------------------------------------------------
 
     async def handle(self, ex: Exchange) -> None:
-        if ex.raw_path in _LOCAL_RAW_PATHS:
+        if ex.raw_path in LOCAL_RAW_PATHS:
             if ex.method in ("GET", "HEAD"):
                 ex.respond(*self.local_answer(ex.path))
             else:
@@ -181,15 +139,14 @@ class RouterApp:
         None: proxy it, as before."""
         if path == MODELS_PATH:
             listing = self.models.listing_body()
-            return None if listing is None else (200, [(b"content-type", _JSON), _length(listing)], listing)
+            return None if listing is None else json_parts(200, listing)
         if not path.startswith(MODELS_PATH + "/") or not self.models.view.known:
             return None
         model = path[len(MODELS_PATH) + 1 :]
         card = next((c for c in self.models.view.listing if c.get("id") == model), None)
         if card is None:
             return self.render_error(errors.ModelNotFound(f"The model `{model}` does not exist."))
-        body = orjson.dumps(card)
-        return 200, [(b"content-type", _JSON), _length(body)], body
+        return json_parts(200, orjson.dumps(card))
 
     def _answer_error(self, ex: Exchange, exc: errors.RouterError) -> None:
         """An error the router answers on an exchange: counted with the backend tried, if any."""
@@ -207,18 +164,17 @@ class RouterApp:
 
     def local_answer(self, path: str) -> ResponseParts:
         """(status, headers, body) of /healthz, /readyz or /metrics, on every port that serves them."""
-        if path == "/metrics":
-            body = generate_latest(self.registry)
-            return 200, [(b"content-type", CONTENT_TYPE_LATEST.encode()), _length(body)], body
-        status, text = 200, b'{"status":"ok"}'
-        if path == "/readyz":
-            if self.draining:
-                status, text = 503, b'{"status":"draining"}'
-            elif not self.backends.is_ready():
-                status, text = 503, b'{"status":"no backend has passed a health probe"}'
-            else:
-                text = b'{"status":"ready"}'
-        return status, [(b"content-type", _JSON), _length(text)], text
+        return self.local_routes.answer(path)
+
+    def _not_ready(self) -> str | None:
+        if self.draining:
+            return "draining"
+        if not self.backends.is_ready():
+            return "no backend has passed a health probe"
+        return None
+
+    def _metrics_exposition(self) -> tuple[bytes, bytes]:
+        return CONTENT_TYPE_LATEST.encode(), generate_latest(self.registry)
 
     # -- resources -----------------------------------------------------------------------------
 
@@ -312,89 +268,6 @@ class RouterApp:
         if self._model_prober is not None and now - self._known:
             self._model_prober.joined()
         self._known = now
-
-    # -- local routes and admin ----------------------------------------------------------------
-
-    def _build_metrics_app(self) -> FastAPI:
-        """/healthz, /readyz and /metrics for the metrics port."""
-        app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
-
-        def answer(path: str) -> Response:
-            status, headers, body = self.local_answer(path)
-            media = dict(headers)[b"content-type"].decode()
-            return Response(body, status_code=status, media_type=media)
-
-        @app.get("/healthz")
-        async def healthz() -> Response:
-            return answer("/healthz")
-
-        @app.get("/readyz")
-        async def readyz() -> Response:
-            return answer("/readyz")
-
-        @app.get("/metrics")
-        async def metrics() -> Response:
-            return answer("/metrics")
-
-        return app
-
-    def _build_admin_app(self) -> FastAPI:
-        app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
-        token = self.settings.server.admin_token
-
-        def authorised(request: Request) -> bool:
-            if token is None:
-                return True
-            given = request.headers.get("authorization", "")
-            return hmac.compare_digest(given.encode(), f"Bearer {token.get_secret_value()}".encode())
-
-        def denied() -> Response:
-            body = {
-                "error": {"message": "admin token required", "type": "authentication_error", "code": None}
-            }
-            return JSONResponse(body, status_code=401)
-
-        @app.get("/admin/backends")
-        async def list_backends(request: Request) -> Response:
-            if not authorised(request):
-                return denied()
-            snap = self.snapshot()
-            return JSONResponse(
-                {
-                    "backends": [
-                        {
-                            "url": s.url,
-                            "state": s.state,
-                            "inflight": s.inflight,
-                            "load": s.load,
-                            "models": sorted(self.models.served_by(s.url) or ()),
-                        }
-                        for s in snap.backends
-                    ],
-                    "ring_members": list(self.backends.ring.members),
-                    "ejection_cap_active": snap.ejection_cap_active,
-                }
-            )
-
-        @app.post("/admin/backends/drain")
-        async def drain(request: Request, body: DrainRequest) -> Response:
-            if not authorised(request):
-                return denied()
-            try:
-                url = normalise_backend_url(body.url)
-            except ValueError as exc:
-                err = {"error": {"message": str(exc), "type": "invalid_request_error", "code": None}}
-                return JSONResponse(err, status_code=400)
-            if not self.backends.drain(url):
-                err = {"error": {"message": "no such backend", "type": "invalid_request_error", "code": None}}
-                return JSONResponse(err, status_code=404)
-            return JSONResponse({"draining": url})
-
-        return app
-
-
-def _length(body: bytes) -> tuple[bytes, bytes]:
-    return b"content-length", str(len(body)).encode()
 
 
 def create_app(settings: Settings, *, rng: random.Random | None = None) -> RouterApp:

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import gc
 import logging
 import signal
 import socket
-from collections.abc import Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 import uvicorn
@@ -64,9 +65,15 @@ def listener_limits(s: ServerSettings) -> ListenerLimits:
 class RouterServer:
     """The main port and the side ports, started and stopped together with the app's resources."""
 
-    def __init__(self, app: RouterApp, sockets: list[socket.socket] | None = None) -> None:
+    def __init__(
+        self,
+        app: RouterApp,
+        sockets: list[socket.socket] | None = None,
+        on_started: Callable[[], None] | None = None,
+    ) -> None:
         self.app = app
         self._sockets = sockets
+        self._on_started = on_started
         self.started = False
         self.force_exit = False
         self._exit: asyncio.Event | None = None
@@ -108,6 +115,8 @@ class RouterServer:
         side_tasks = [loop.create_task(server.serve()) for server in side]
         self.started = True
         log.info("prefix-router listening on %s", listener.addresses())
+        if self._on_started is not None:
+            self._on_started()
         try:
             await self._exit.wait()
             await listener.shut_down(s.drain_timeout_s, lambda: self.force_exit)
@@ -117,6 +126,67 @@ class RouterServer:
             await asyncio.gather(*side_tasks, return_exceptions=True)
             await app.stop()
         return 0
+
+
+class PortInUse(OSError):
+    """The listen port is taken; `suggestion` is a nearby free port, when one was found."""
+
+    def __init__(self, port: int, suggestion: int | None) -> None:
+        super().__init__(errno.EADDRINUSE, f"port {port} is in use")
+        self.port = port
+        self.suggestion = suggestion
+
+    def describe(self) -> str:
+        hint = f"; try --port {self.suggestion}" if self.suggestion is not None else ""
+        return f"port {self.port} is in use{hint}"
+
+
+def bind_sockets(host: str, port: int) -> list[socket.socket]:
+    """Listening sockets for host:port, bound now, as loop.create_server would bind them (every address
+    the host resolves to, SO_REUSEADDR, IPv6 sockets v6-only), so a taken port is known before anything
+    is printed or started. Raises PortInUse, or OSError for an address that cannot be bound."""
+    try:
+        return _bind(host, port)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise PortInUse(port, free_port_near(host, port)) from exc
+        raise
+
+
+def _bind(host: str, port: int) -> list[socket.socket]:
+    infos = socket.getaddrinfo(
+        host or None, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP, flags=socket.AI_PASSIVE
+    )
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind((address[0], port, *address[2:]))
+            if port == 0:  # every address of the host gets the port the first one was given
+                port = sock.getsockname()[1]
+            sock.listen(2048)
+            sock.setblocking(False)
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
+def free_port_near(host: str, port: int, tries: int = 100) -> int | None:
+    """The first port above `port` that host can bind now (for a "try --port N" hint), or None."""
+    for candidate in range(port + 1, min(port + 1 + tries, 65536)):
+        try:
+            for sock in _bind(host, candidate):
+                sock.close()
+        except OSError:
+            continue
+        return candidate
+    return None
 
 
 # Every proxied request allocates a few hundred objects; at CPython's default gen-0 threshold (700)
@@ -133,10 +203,15 @@ def tune_gc() -> None:
     gc.set_threshold(GC_GEN0_THRESHOLD, gen1, gen2)
 
 
-async def serve(app: RouterApp, sockets: list[socket.socket] | None = None) -> int:
-    """Serve until SIGTERM/SIGINT; returns the process exit code."""
+async def serve(
+    app: RouterApp,
+    sockets: list[socket.socket] | None = None,
+    on_started: Callable[[], None] | None = None,
+) -> int:
+    """Serve until SIGTERM/SIGINT; returns the process exit code. `on_started` runs once every port
+    listens, SIGINT and SIGTERM already handled here (the demo prints its banner then)."""
     s = app.settings.server
-    server = RouterServer(app, sockets)
+    server = RouterServer(app, sockets, on_started)
     loop = asyncio.get_running_loop()
 
     def on_signal(signum: int) -> None:

@@ -1,12 +1,19 @@
 """Configuration: a YAML file, overridden by `PREFIX_ROUTER_<SECTION>__<FIELD>` environment variables,
 overridden by command-line flags. Validated once at start-up; the result is passed in, never global.
-This is the only module that reads the environment.
+This is the only module that reads the environment, and only `load_settings` reads it: constructing a
+`Settings` reads nothing. Each field's `description` is its documentation (docs/configuration.md is
+generated from them by tools/gen_config_reference.py).
 """
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
+import json
 import os
+import types
+import typing
+from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal
@@ -22,11 +29,6 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_settings import (
-    BaseSettings,
-    PydanticBaseSettingsSource,
-    SettingsConfigDict,
-)
 
 from prefix_router.errors import SettingsError
 from prefix_router.routing.config import BalanceConfig, FirstPlacement, KeyConfig, KeyMode, Policy, RingKey
@@ -34,6 +36,7 @@ from prefix_router.upstream.config import UpstreamConfig
 
 ENV_PREFIX = "PREFIX_ROUTER_"
 CONFIG_ENV = "PREFIX_ROUTER_CONFIG"  # path of the YAML file, when --config is not given
+ENV_DELIMITER = "__"
 
 
 class _Section(BaseModel):
@@ -41,44 +44,103 @@ class _Section(BaseModel):
 
 
 class ServerSettings(_Section):
-    host: str = "0.0.0.0"  # listen on every interface: the router is the front door
-    port: int = Field(8080, ge=0, le=65535)
-    max_body_bytes: int = Field(32 * 1024 * 1024, gt=0)  # 32 MiB: long contexts are a few MB of JSON
-    max_header_bytes: int = Field(65536, ge=1024)  # total request-head size; over it -> 431
-    header_timeout_s: float = Field(10.0, gt=0)  # slowloris bound for the request head -> 408
-    body_timeout_s: float = Field(30.0, gt=0)  # slowloris bound between body chunks -> 408
-    # A client that takes nothing of a response for this long is disconnected, and its backend
-    # request cancelled with it (nginx's send_timeout): a stalled reader must not hold a GPU slot.
-    send_timeout_s: float = Field(60.0, gt=0)
-    # An idle kept-alive client connection closes after this. nginx's 75 s: longer than the pools of
-    # common clients (httpx and so the OpenAI SDK expire theirs at 5 s), so the client always closes
-    # first and never reuses a connection the router is closing.
-    keepalive_timeout_s: float = Field(75.0, gt=0)
-    # All request bodies the listener holds at once, from their first byte until their response
-    # starts (a non-streaming request holds its body through its generation). 48 MiB: one body at
-    # max_body_bytes beside many ordinary ones (chat bodies are KBs; a 128k-token prompt is ~0.5 MB of
-    # JSON). The process peaks near twice it (each body and the upstream request carrying it):
-    # benchmarks/listener_memory.py measured +90 MiB under 12 concurrent 30 MiB uploads. Over it a
-    # request waits up to 2 s for room, then gets 503 + Retry-After. Must be >= max_body_bytes.
-    max_buffered_body_bytes: int = Field(48 * 1024 * 1024, gt=0)
-    # Open client connections; one more is answered 503 and closed (Envoy's overflow). Above the
-    # 10,000 concurrent streams one process is sized for, below common open-file limits.
-    max_connections: int = Field(16384, gt=0)
-    # nginx's underscores_in_headers (off): header names with "_" are dropped, because backends that
-    # map names to CGI-style variables read X_Tenant as X-Tenant.
-    underscores_in_headers: bool = False
-    access_log: bool = False  # one JSON line per request on logger prefix_router.access (INFO)
-    # Also log /healthz, /readyz and /metrics: off, as probes and scrapes would be most of the lines.
-    access_log_probes: bool = False
-    # Add x-prefix-router-backend naming the backend (its URL) that answered. Off: the URL is an
-    # internal address that every client would see; operators have the access log and metrics.
-    backend_header: bool = False
-    metrics_port: int | None = Field(None, ge=0, le=65535)  # None: /metrics on the main port only
-    admin_host: str = "127.0.0.1"  # the admin listener is private by default
-    admin_port: int | None = Field(None, ge=0, le=65535)  # None: no admin listener (drain API off)
-    admin_token: SecretStr | None = None  # when set, admin calls need `Authorization: Bearer <token>`
-    drain_timeout_s: float = Field(30.0, ge=0)  # SIGTERM: how long in-flight streams may finish
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    host: str = Field(
+        "0.0.0.0",
+        description="Listen address of the proxy port. Every interface by default: the router is "
+        "the front door.",
+    )
+    port: int = Field(8080, ge=0, le=65535, description="Proxy port (also /healthz, /readyz, /metrics).")
+    max_body_bytes: int = Field(
+        32 * 1024 * 1024,
+        gt=0,
+        description="Largest request body, in bytes; a larger one gets 413 before it is read whole. 32 MiB: "
+        "long contexts are a few MB of JSON.",
+    )
+    max_header_bytes: int = Field(
+        65536, ge=1024, description="Largest request head (request line and fields), in bytes; over it: 431."
+    )
+    header_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="Seconds the whole request head may take to arrive (a slowloris bound); over it: 408.",
+    )
+    body_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="Seconds allowed between two chunks of a request body (a slowloris bound); over it: 408.",
+    )
+    send_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="Seconds a client may take nothing of a response before it is disconnected and its "
+        "backend request cancelled (nginx's send_timeout): a stalled reader must not hold a GPU slot.",
+    )
+    keepalive_timeout_s: float = Field(
+        75.0,
+        gt=0,
+        description="Seconds an idle kept-alive client connection stays open. nginx's 75 s: longer than the "
+        "pools of common clients (httpx, and so the OpenAI SDK, expire theirs at 5 s), so the client always "
+        "closes first and never reuses a connection the router is closing.",
+    )
+    max_buffered_body_bytes: int = Field(
+        48 * 1024 * 1024,
+        gt=0,
+        description="Bytes of request bodies the listener holds at once, from their first byte until their "
+        "response starts (a non-streaming request holds its body through its generation). 48 MiB: one body "
+        "at max_body_bytes beside many ordinary ones; the process peaks near twice it. Over it a request "
+        "waits up to 2 s for room, then gets 503 + Retry-After. At least max_body_bytes.",
+    )
+    max_connections: int = Field(
+        16384,
+        gt=0,
+        description="Open client connections; one more is answered 503 and closed (Envoy's overflow). Above "
+        "the 10,000 concurrent streams one process is sized for, below common open-file limits.",
+    )
+    underscores_in_headers: bool = Field(
+        False,
+        description="Forward header names that contain '_'. Off, as nginx's default: backends that map "
+        "names to CGI-style variables would read X_Tenant as X-Tenant.",
+    )
+    access_log: bool = Field(
+        False,
+        description="One JSON line per request on stdout (logger prefix_router.access): time, client, "
+        "method, path without the query, status, duration_s, backend, branch, bytes. Never a body, a query, "
+        "a tenant or a header.",
+    )
+    access_log_probes: bool = Field(
+        False,
+        description="Also log /healthz, /readyz and /metrics. Off: probes and scrapes would be most of the "
+        "lines.",
+    )
+    backend_header: bool = Field(
+        False,
+        description="Add x-prefix-router-backend naming the backend (its URL) that answered. Off: the URL is "
+        "an internal address every client would see; operators have the access log and metrics.",
+    )
+    metrics_port: int | None = Field(
+        None, ge=0, le=65535, description="Also serve /metrics on this port; null: on the main port only."
+    )
+    admin_host: str = Field(
+        "127.0.0.1", description="Listen address of the admin API; loopback by default, as it can drain."
+    )
+    admin_port: int | None = Field(
+        None, ge=0, le=65535, description="Port of the admin API (drain, backend states); null: no admin API."
+    )
+    admin_token: SecretStr | None = Field(
+        None,
+        description="When set, admin calls need `Authorization: Bearer <token>`. A secret: give it through "
+        "the environment.",
+    )
+    drain_timeout_s: float = Field(
+        30.0,
+        ge=0,
+        description="Seconds in-flight requests may finish after SIGTERM (/readyz fails at once, the "
+        "listener closes).",
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info",
+        description="Level of the router's own log lines on stderr (the access log has its own switch).",
+    )
 
     @model_validator(mode="after")
     def _check_body_budget(self) -> ServerSettings:
@@ -88,10 +150,14 @@ class ServerSettings(_Section):
 
 
 class BackendSettings(_Section):
-    url: str
-    weight: float = Field(1.0, gt=0, le=100)
-    # What it serves, until its own /v1/models says (or for good, if it lists none): model names.
-    models: tuple[str, ...] = ()
+    url: str = Field(
+        description="scheme://host:port of a vLLM server, no path: the backend's identity on the hash ring."
+    )
+    weight: float = Field(1.0, gt=0, le=100, description="Share of the ring relative to the other backends.")
+    models: tuple[str, ...] = Field(
+        (),
+        description="Model names it serves until its own /v1/models says (for good, if it lists none).",
+    )
 
     @field_validator("url")
     @classmethod
@@ -128,19 +194,39 @@ class DiscoveryMode(StrEnum):
 
 
 class DiscoverySettings(_Section):
-    mode: DiscoveryMode = DiscoveryMode.STATIC
-    scheme: Literal["http", "https"] = "http"
-    dns_name: str | None = None  # a headless Service name; every A/AAAA record is a backend
-    dns_port: int = Field(8000, ge=1, le=65535)
-    dns_interval_s: float = Field(5.0, gt=0)
-    dns_nameserver: str | None = None  # resolver address (tests, or to bypass /etc/resolv.conf)
-    dns_nameserver_port: int = Field(53, ge=1, le=65535)
-    k8s_namespace: str | None = None  # default: the pod's own namespace
-    k8s_service: str | None = None
-    k8s_port_name: str | None = None  # EndpointSlice port name; default: the slice's first port
-    k8s_api_url: str | None = None  # default: in-cluster service account config
-    # A pod label naming the model the pod serves (needs pods: list): declared until /v1/models answers.
-    k8s_model_label: str | None = None
+    mode: DiscoveryMode = Field(
+        DiscoveryMode.STATIC,
+        description="Where the backends come from: static (the `backends` list), dns (every A/AAAA record "
+        "of dns_name) or kubernetes (the EndpointSlices of k8s_service; needs the `kubernetes` extra).",
+    )
+    scheme: Literal["http", "https"] = Field("http", description="Scheme used to reach discovered backends.")
+    dns_name: str | None = Field(
+        None, description="Mode dns: a headless Service name; every A/AAAA record is a backend."
+    )
+    dns_port: int = Field(8000, ge=1, le=65535, description="Mode dns: the backends' port.")
+    dns_interval_s: float = Field(5.0, gt=0, description="Mode dns: seconds between two resolutions.")
+    dns_nameserver: str | None = Field(
+        None,
+        description="Mode dns: a resolver address instead of /etc/resolv.conf's (tests, or to bypass it).",
+    )
+    dns_nameserver_port: int = Field(53, ge=1, le=65535, description="Mode dns: the resolver's port.")
+    k8s_namespace: str | None = Field(
+        None, description="Mode kubernetes: the namespace to watch; null: the pod's own."
+    )
+    k8s_service: str | None = Field(
+        None, description="Mode kubernetes: the Service whose EndpointSlices list the vLLM pods."
+    )
+    k8s_port_name: str | None = Field(
+        None, description="Mode kubernetes: the EndpointSlice port name; null: the slice's first port."
+    )
+    k8s_api_url: str | None = Field(
+        None, description="Mode kubernetes: the API server; null: the in-cluster service account config."
+    )
+    k8s_model_label: str | None = Field(
+        None,
+        description="Mode kubernetes: a pod label naming the model the pod serves, declared until its "
+        "/v1/models answers (needs pods: list).",
+    )
 
     @model_validator(mode="after")
     def _check_mode(self) -> DiscoverySettings:
@@ -152,40 +238,104 @@ class DiscoverySettings(_Section):
 
 
 class RoutingSettings(_Section):
-    mode: KeyMode = KeyMode.AUTO
-    prefix_chars: int = Field(4096, gt=0)  # ~1k tokens: a system prompt, not the whole conversation
-    # `conversation`: the ring key ends at the end of the preamble (tools, system) when it is most of
-    # the first exchange, else at the end of the first message after it (at most prefix_chars), so
-    # every turn of a conversation and every replica agree; `prefix`: always prefix_chars.
-    ring_key: RingKey = RingKey.CONVERSATION
-    prefix_bytes: int = Field(4096, gt=0)  # native APIs: the same budget in bytes of canonical JSON
-    tenant_header: str = "x-prefix-cache-key"
-    trust_prompt_cache_key: bool = True  # use OpenAI's `prompt_cache_key` body field as the tenant
-    vnodes: int = Field(160, ge=1, le=10000)  # shares spread ~1/sqrt(160) = 8%; busiest 1.16x mean (N=16)
-    prefix_index: bool = True  # follow conversations past the fixed prefix (see routing/prefix_index.py)
-    prefix_index_entries: int = Field(200_000, ge=1)  # ~40 MB at most
-    block_bytes: int = Field(256, ge=16)  # prefix-index granularity at the start of the key
-    max_key_bytes: int = Field(262_144, ge=256)  # how deep the prefix index looks into a body
-    # Hold a streaming request whose prefix another request is prefilling on its backend right now,
-    # up to this long, so it finds the prefix cached (0: off). See routing/prefill.py.
-    prefill_wait_s: float = Field(5.0, ge=0)
-    # A known prefix is followed only when it covers this share of the request (0: any known prefix):
-    # SGLang's cache_threshold. A system prompt all traffic shares stays under it.
-    follow_threshold: float = Field(0.5, ge=0, le=1)
-    # Where a prefix goes that no backend holds enough of: `cache_room`, the backend whose cache keeps
-    # things longest (best for one router, or replicas with shared state); `ring`, the ring's choice,
-    # which stateless replicas agree on.
-    first_placement: FirstPlacement = FirstPlacement.CACHE_ROOM
-    # Each backend's KV capacity in tokens; None: read from vLLM's vllm:cache_config_info.
-    kv_capacity_tokens: int | None = Field(None, gt=0)
-    bytes_per_token: float = Field(4.0, gt=0)  # key bytes a cached token stands for (~4 for English)
-    # Several replicas share prefix owners and footprints through this Redis/Valkey
-    # (redis://host:port/db, rediss://, unix://path): one round trip per request at most, and local
-    # routing while it is slow or down. Empty: each replica keeps its own state (fleet/shared_state.py).
-    shared_state_url: str = ""
-    shared_state_timeout_s: float = Field(0.05, gt=0)  # a reply later than this routes from local state
-    set_cache_salt: bool = False  # set vLLM's cache_salt from the tenant, overwriting the client's
-    cache_salt_secret: SecretStr | None = None  # key of the keyed hash that makes the salt
+    mode: KeyMode = Field(
+        KeyMode.AUTO,
+        description="How the routing key is taken: auto (message text on OpenAI endpoints, a byte prefix "
+        "of canonical JSON elsewhere), openai or native.",
+    )
+    prefix_chars: int = Field(
+        4096,
+        gt=0,
+        description="Characters of message text in the ring key. ~1k tokens: a system prompt, not the "
+        "whole conversation.",
+    )
+    ring_key: RingKey = Field(
+        RingKey.CONVERSATION,
+        description="Where the ring key ends. conversation: at the end of the preamble (tools, system) when "
+        "it is most of the first exchange, else at the end of the first message after it (at most "
+        "prefix_chars), so every turn of a conversation and every replica agree; prefix: always "
+        "prefix_chars.",
+    )
+    prefix_bytes: int = Field(
+        4096, gt=0, description="Native APIs: the ring key's budget in bytes of canonical JSON."
+    )
+    tenant_header: str = Field(
+        "x-prefix-cache-key",
+        description="Request header naming the tenant; it seeds the hash, so tenants never share a "
+        "placement.",
+    )
+    trust_prompt_cache_key: bool = Field(
+        True, description="Use OpenAI's `prompt_cache_key` body field as the tenant too."
+    )
+    vnodes: int = Field(
+        160,
+        ge=1,
+        le=10000,
+        description="Ring points per backend (times its weight). Shares spread ~1/sqrt(160) = 8%; the "
+        "busiest backend gets ~1.16x the mean with 16 backends.",
+    )
+    prefix_index: bool = Field(
+        True,
+        description="Follow conversations past the fixed prefix with a longest-prefix index "
+        "(routing/prefix_index.py).",
+    )
+    prefix_index_entries: int = Field(
+        200_000, ge=1, description="Block hashes the prefix index remembers (LRU); ~40 MB at most."
+    )
+    block_bytes: int = Field(
+        256, ge=16, description="Prefix-index granularity at the start of the key, in bytes (coarser deeper)."
+    )
+    max_key_bytes: int = Field(
+        262_144, ge=256, description="How deep into a body the prefix index looks, in bytes."
+    )
+    prefill_wait_s: float = Field(
+        5.0,
+        ge=0,
+        description="Seconds a streaming request whose prefix another request is prefilling on its backend "
+        "right now is held, so it finds the prefix cached (0: off; routing/prefill.py).",
+    )
+    follow_threshold: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="A known prefix is followed only when it covers this share of the request (0: any "
+        "known prefix), as SGLang's cache_threshold: a system prompt all traffic shares stays under it.",
+    )
+    first_placement: FirstPlacement = Field(
+        FirstPlacement.CACHE_ROOM,
+        description="Where a prefix goes that no backend holds enough of. cache_room: the backend whose "
+        "cache keeps things longest (best for one router, or replicas with shared state); ring: the ring's "
+        "choice, which stateless replicas agree on.",
+    )
+    kv_capacity_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="Each backend's KV capacity in tokens; null: read from vLLM's vllm:cache_config_info.",
+    )
+    bytes_per_token: float = Field(
+        4.0,
+        gt=0,
+        description="Key bytes a cached token stands for (~4 for English), to compare text with KV capacity.",
+    )
+    shared_state_url: str = Field(
+        "",
+        description="Replicas share prefix owners and footprints through this Redis/Valkey "
+        "(redis://host:port/db, rediss://, unix://path): one round trip per request at most, and local "
+        "routing while it is slow or down. Empty: each replica keeps its own state.",
+    )
+    shared_state_timeout_s: float = Field(
+        0.05, gt=0, description="Seconds a shared-state reply may take; a later one routes from local state."
+    )
+    set_cache_salt: bool = Field(
+        False,
+        description="Set vLLM's cache_salt from the tenant (a keyed hash), overwriting the client's, so "
+        "tenants cannot probe each other's cache.",
+    )
+    cache_salt_secret: SecretStr | None = Field(
+        None,
+        description="The key of the hash that makes the salt; required with set_cache_salt. A secret: give "
+        "it through the environment.",
+    )
 
     @field_validator("tenant_header")
     @classmethod
@@ -208,28 +358,75 @@ class RoutingSettings(_Section):
 
 
 class BalancingSettings(_Section):
-    policy: Policy = Policy.PREFIX
-    max_inflight: int = Field(32, ge=1)  # per backend; ~vLLM's running batch under prefix-heavy load
-    load_factor: float = Field(1.25, ge=1.0)  # bounded-load c: no backend above ceil(c * mean)
-    load_floor: int = Field(8, ge=0)  # ...unless it holds fewer than this: small counts never spill
-    spill: bool = True  # off: the ring's choice wins regardless of load (a benchmark baseline)
-    queue_max: int = Field(64, ge=0)  # requests that may wait for a free backend when all are full
-    queue_timeout_s: float = Field(0.5, ge=0)  # how long one may wait before a 503 + Retry-After
+    policy: Policy = Field(
+        Policy.PREFIX,
+        description="prefix (prefix index + consistent-hash ring + bounded load), random, round_robin or "
+        "least_loaded.",
+    )
+    max_inflight: int = Field(
+        32,
+        ge=1,
+        description="Requests in flight per backend before the next one spills over; ~vLLM's running batch "
+        "under prefix-heavy load.",
+    )
+    load_factor: float = Field(
+        1.25,
+        ge=1.0,
+        description="Bounded-load c: no backend above ceil(c x mean load), counting the new request.",
+    )
+    load_floor: int = Field(
+        8,
+        ge=0,
+        description="...but the bound never falls below this many in flight: a few requests never "
+        "spill a prefix.",
+    )
+    spill: bool = Field(
+        True, description="Off: the ring's choice wins whatever the load (a benchmark baseline)."
+    )
+    queue_max: int = Field(
+        64, ge=0, description="Requests that may wait for a free backend when every backend is full."
+    )
+    queue_timeout_s: float = Field(
+        0.5, ge=0, description="Seconds one may wait in that queue before a 503 + Retry-After."
+    )
 
 
 class UpstreamSettings(_Section):
-    connect_timeout_s: float = Field(3.0, gt=0)
-    # Non-streaming completions send nothing until generation ends, so this is generous by default.
-    first_byte_timeout_s: float = Field(300.0, gt=0)
-    stream_idle_timeout_s: float = Field(120.0, gt=0)  # between chunks; never a total deadline
-    max_connections: int = Field(4096, ge=1)
-    max_connections_per_backend: int = Field(1024, ge=1)
-    # An idle pooled connection is closed after this; below vLLM's (uvicorn's) own 5 s, so the router
-    # closes first instead of racing the backend's close with a new request.
-    keepalive_timeout_s: float = Field(4.0, gt=0)
-    max_attempts: int = Field(3, ge=1, le=10)  # first try included
-    retry_budget_ratio: float = Field(0.2, ge=0, le=1)  # retries at once, as a share of active requests
-    retry_budget_min: int = Field(3, ge=0)  # retries always allowed at once, however few are active
+    connect_timeout_s: float = Field(
+        3.0, gt=0, description="Seconds to connect to a backend; a failure is retried on the next one."
+    )
+    first_byte_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="Seconds until the response head arrives (then 504). Generous: non-streaming "
+        "completions send nothing until generation ends.",
+    )
+    stream_idle_timeout_s: float = Field(
+        120.0, gt=0, description="Seconds allowed between two chunks of a response; never a total deadline."
+    )
+    max_connections: int = Field(4096, ge=1, description="Pooled connections to all backends at most.")
+    max_connections_per_backend: int = Field(
+        1024, ge=1, description="Pooled connections to one backend at most."
+    )
+    keepalive_timeout_s: float = Field(
+        4.0,
+        gt=0,
+        description="Seconds an idle pooled connection is kept; below vLLM's (uvicorn's) own 5 s, so the "
+        "router closes first instead of racing the backend's close with a new request.",
+    )
+    max_attempts: int = Field(
+        3,
+        ge=1,
+        le=10,
+        description="Tries per request, the first included (retries only before the first "
+        "byte, on a connect failure or 503/429).",
+    )
+    retry_budget_ratio: float = Field(
+        0.2, ge=0, le=1, description="Retries in progress at once, as a share of active requests."
+    )
+    retry_budget_min: int = Field(
+        3, ge=0, description="Retries always allowed at once, however few requests are active."
+    )
 
     def to_config(self) -> UpstreamConfig:
         return UpstreamConfig(
@@ -243,49 +440,73 @@ class UpstreamSettings(_Section):
 
 
 class HealthSettings(_Section):
-    path: str = "/health"
-    interval_s: float = Field(5.0, gt=0)
-    timeout_s: float = Field(2.0, gt=0)
-    unhealthy_threshold: int = Field(3, ge=1)  # consecutive failures (probes or connects) to eject
-    healthy_threshold: int = Field(2, ge=1)  # consecutive probe successes to come back
-    max_ejected_ratio: float = Field(0.5, ge=0, le=1)  # never eject more of the fleet than this
-    slow_start_s: float = Field(10.0, ge=0)  # a recovered backend's weight ramps up over this
+    path: str = Field("/health", description="Backend health endpoint probed actively (vLLM serves /health).")
+    interval_s: float = Field(5.0, gt=0, description="Seconds between two probes of a backend.")
+    timeout_s: float = Field(2.0, gt=0, description="Seconds a probe may take.")
+    unhealthy_threshold: int = Field(
+        3, ge=1, description="Consecutive failures (probes or connects) before a backend is ejected."
+    )
+    healthy_threshold: int = Field(
+        2, ge=1, description="Consecutive passed probes before an ejected backend comes back."
+    )
+    max_ejected_ratio: float = Field(
+        0.5, ge=0, le=1, description="Never eject more than this share of the fleet (a shared fault)."
+    )
+    slow_start_s: float = Field(
+        10.0, ge=0, description="Seconds over which a recovered backend's share ramps up."
+    )
 
 
 class LoadSignalSettings(_Section):
-    enabled: bool = False  # scrape vLLM /metrics so several replicas respect one bound
-    interval_s: float = Field(0.5, gt=0)
-    timeout_s: float = Field(1.0, gt=0)
-    path: str = "/metrics"
+    enabled: bool = Field(
+        False,
+        description="Scrape each backend's vLLM /metrics so several router replicas respect one load bound.",
+    )
+    interval_s: float = Field(0.5, gt=0, description="Seconds between two scrapes of a backend.")
+    timeout_s: float = Field(1.0, gt=0, description="Seconds a scrape may take.")
+    path: str = Field("/metrics", description="The backends' metrics endpoint.")
 
 
 class ModelSettings(_Section):
-    # Ask every backend's /v1/models what it serves (at start, each health interval, when one joins),
-    # and send a request only to backends serving its `model`. Off: every backend serves every model.
-    probe: bool = True
-    path: str = "/v1/models"
-    timeout_s: float = Field(2.0, gt=0)
-    # A request for a LoRA adapter no backend has loaded goes to its base model's backends (for vLLM
-    # with runtime LoRA loading, which loads it there) instead of a 404 from the router.
-    adapters_to_base: bool = False
-    # adapter -> base model, for adapters no backend lists yet (one base model in the fleet: assumed).
-    adapter_bases: dict[str, str] = Field(default_factory=dict)
-
-
-class Settings(BaseSettings):
-    model_config = SettingsConfigDict(
-        env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid", frozen=True, case_sensitive=False
+    probe: bool = Field(
+        True,
+        description="Ask every backend's /v1/models what it serves (at start, each health interval, when "
+        "one joins) and send a request only to backends serving its `model`. Off: every backend serves "
+        "every model.",
+    )
+    path: str = Field("/v1/models", description="The backends' model list endpoint.")
+    timeout_s: float = Field(2.0, gt=0, description="Seconds a model-list request may take.")
+    adapters_to_base: bool = Field(
+        False,
+        description="A request for a LoRA adapter no backend has loaded goes to its base model's backends "
+        "(for vLLM with runtime LoRA loading, which loads it there) instead of a 404 from the router.",
+    )
+    adapter_bases: dict[str, str] = Field(
+        default_factory=dict,
+        description="Adapter -> base model, for adapters no backend lists yet (with one base model in the "
+        "fleet, it is assumed).",
     )
 
-    server: ServerSettings = ServerSettings()
-    backends: tuple[BackendSettings, ...] = ()
-    discovery: DiscoverySettings = DiscoverySettings()
-    routing: RoutingSettings = RoutingSettings()
-    balancing: BalancingSettings = BalancingSettings()
-    upstream: UpstreamSettings = UpstreamSettings()
-    health: HealthSettings = HealthSettings()
-    load_signal: LoadSignalSettings = LoadSignalSettings()
-    models: ModelSettings = ModelSettings()
+
+class Settings(BaseModel):
+    """Every setting, validated. A plain model: building one reads no file and no environment
+    (`load_settings` does that)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    server: ServerSettings = Field(ServerSettings(), description="The proxy's listener and side ports.")
+    backends: tuple[BackendSettings, ...] = Field(
+        (), description="The backends when discovery.mode is static: their URLs, weights and models."
+    )
+    discovery: DiscoverySettings = Field(DiscoverySettings(), description="Where the backends come from.")
+    routing: RoutingSettings = Field(RoutingSettings(), description="The routing key and the placement.")
+    balancing: BalancingSettings = Field(BalancingSettings(), description="The policy and its load bound.")
+    upstream: UpstreamSettings = Field(UpstreamSettings(), description="Connections to the backends.")
+    health: HealthSettings = Field(HealthSettings(), description="Active health probes of the backends.")
+    load_signal: LoadSignalSettings = Field(
+        LoadSignalSettings(), description="Load read from the backends' own metrics."
+    )
+    models: ModelSettings = Field(ModelSettings(), description="Which backend serves which model.")
 
     @model_validator(mode="after")
     def _check_backends(self) -> Settings:
@@ -293,18 +514,6 @@ class Settings(BaseSettings):
         if len(set(urls)) != len(urls):
             raise ValueError("backends: the same url is listed twice")
         return self
-
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        # Flags beat the environment, which beats the file.
-        return init_settings, env_settings
 
     def key_config(self) -> KeyConfig:
         r = self.routing
@@ -335,25 +544,108 @@ class Settings(BaseSettings):
 
 
 def load_settings(
-    path: str | Path | None = None, overrides: dict[str, Any] | None = None, *, environ: bool = True
+    path: str | Path | None = None,
+    *overrides: Mapping[str, Any] | None,
+    environ: Mapping[str, str] | bool = True,
 ) -> Settings:
-    """Settings from a YAML file (or $PREFIX_ROUTER_CONFIG), the environment, then `overrides`.
+    """The one merge path: the YAML file (`path`, else $PREFIX_ROUTER_CONFIG), then the environment's
+    PREFIX_ROUTER_* variables, then each of `overrides` in turn (flags), each layer beating the ones
+    before it section by section; then one validation.
 
-    Raises SettingsError with one line naming the field and the reason.
+    `environ`: True reads os.environ, False no environment, a mapping that one. Raises SettingsError with
+    one line naming the field (or the variable) and the reason.
     """
-    if path is None and environ:
-        path = os.environ.get(CONFIG_ENV) or None
-    file_values: dict[str, Any] = {}
-    if path is not None:
-        file_values = read_yaml(Path(path))
+    env: Mapping[str, str] = os.environ if environ is True else (environ or {})
+    if path is None:
+        path = _config_path(env)
+    merged = read_yaml(Path(path)) if path is not None else {}
+    for layer in (values_from_environ(env), *overrides):
+        merged = _deep_merge(merged, dict(layer or {}))
     try:
-        if environ:
-            return _settings_class(file_values)(**(overrides or {}))
-        return Settings.model_validate(_deep_merge(file_values, overrides or {}))
+        return Settings.model_validate(merged)
     except ValidationError as exc:
         raise SettingsError(describe_validation_error(exc)) from exc
-    except ValueError as exc:  # a malformed JSON value in an environment variable
-        raise SettingsError(f"config error: {exc}") from exc
+
+
+def _config_path(env: Mapping[str, str]) -> str | None:
+    for name, value in env.items():
+        if name.upper() == CONFIG_ENV:
+            return value or None
+    return None
+
+
+def values_from_environ(env: Mapping[str, str]) -> dict[str, Any]:
+    """The PREFIX_ROUTER_<SECTION>__<FIELD> variables as a settings mapping (names case-insensitive).
+
+    A variable that names no setting is an error, not ignored: a misspelt section or field would
+    otherwise leave the default in force without a word. The message names the nearest valid variable.
+    """
+    out: dict[str, Any] = {}
+    for raw_name, value in sorted(env.items()):
+        name = raw_name.upper()
+        if not name.startswith(ENV_PREFIX) or name == CONFIG_ENV:
+            continue
+        rest = name.removeprefix(ENV_PREFIX).lower()
+        section, _, field = rest.partition(ENV_DELIMITER)
+        model = _section_model(section) if section in Settings.model_fields else None
+        if section not in Settings.model_fields or (
+            field and (model is None or field not in model.model_fields)
+        ):
+            _unknown_variable(raw_name, rest)
+        if not field:
+            out[section] = _parse_json(raw_name, value) if model is not None else _parse_backends(value)
+            continue
+        assert model is not None
+        structured = _is_structured(model.model_fields[field].annotation)
+        out.setdefault(section, {})[field] = _parse_json(raw_name, value) if structured else value
+    return out
+
+
+def _section_model(section: str) -> type[BaseModel] | None:
+    """The model of a section such as `server`; None for `backends`, a list."""
+    annotation = Settings.model_fields[section].annotation
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+
+def _known_variables() -> list[str]:
+    """Every variable name after the prefix, lower-case: `server`, `server__port`, ..."""
+    names = []
+    for section in Settings.model_fields:
+        names.append(section)
+        model = _section_model(section)
+        names += [f"{section}{ENV_DELIMITER}{field}" for field in (model.model_fields if model else ())]
+    return names
+
+
+def _unknown_variable(name: str, rest: str) -> typing.NoReturn:
+    close = difflib.get_close_matches(rest, _known_variables(), n=1, cutoff=0.6)
+    if close:
+        hint = f"; did you mean {ENV_PREFIX}{close[0].upper()}?"
+    else:
+        hint = f" (settings are {ENV_PREFIX}<SECTION>{ENV_DELIMITER}<FIELD>)"
+    raise SettingsError(f"config error: environment variable {name} names no setting{hint}")
+
+
+def _is_structured(annotation: Any) -> bool:
+    """Lists, mappings and models come from the environment as JSON; scalars as they are."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return any(_is_structured(arg) for arg in typing.get_args(annotation) if arg is not type(None))
+    origin = typing.get_origin(annotation) or annotation
+    return isinstance(origin, type) and (issubclass(origin, (tuple, list, dict, BaseModel)))
+
+
+def _parse_json(name: str, value: str) -> Any:
+    try:
+        return json.loads(value)
+    except ValueError as exc:
+        raise SettingsError(f"config error: {name} is not valid JSON: {exc}") from exc
+
+
+def _parse_backends(value: str) -> Any:
+    """PREFIX_ROUTER_BACKENDS: a JSON list, or comma-separated URLs (the short form for `docker run -e`)."""
+    if value.lstrip().startswith("["):
+        return _parse_json(f"{ENV_PREFIX}BACKENDS", value)
+    return [{"url": url.strip()} for url in value.split(",") if url.strip()]
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
@@ -381,10 +673,11 @@ def describe_validation_error(exc: ValidationError) -> str:
     if len(extra) > 80:
         extra = ""
     more = f"; and {exc.error_count() - 1} more" if exc.error_count() > 1 else ""
-    return f"config error: {loc}: {msg}{extra}{more}"
+    return f"config error: {loc}: {msg}{extra}{more}".replace("\n", " ")
 
 
 def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """`top` over `base`, mapping by mapping; anything else (a list, a value) in `top` replaces."""
     out = dict(base)
     for key, value in top.items():
         if isinstance(value, dict) and isinstance(out.get(key), dict):
@@ -392,33 +685,3 @@ def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
         else:
             out[key] = value
     return out
-
-
-def _settings_class(file_values: dict[str, Any]) -> type[Settings]:
-    """Settings whose lowest-priority source is the already-read YAML mapping."""
-
-    class _FromFile(Settings):
-        @classmethod
-        def settings_customise_sources(
-            cls,
-            settings_cls: type[BaseSettings],
-            init_settings: PydanticBaseSettingsSource,
-            env_settings: PydanticBaseSettingsSource,
-            dotenv_settings: PydanticBaseSettingsSource,
-            file_secret_settings: PydanticBaseSettingsSource,
-        ) -> tuple[PydanticBaseSettingsSource, ...]:
-            return init_settings, env_settings, _MappingSource(settings_cls, file_values)
-
-    return _FromFile
-
-
-class _MappingSource(PydanticBaseSettingsSource):
-    def __init__(self, settings_cls: type[BaseSettings], values: dict[str, Any]) -> None:
-        super().__init__(settings_cls)
-        self._values = values
-
-    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
-        return self._values.get(field_name), field_name, False
-
-    def __call__(self) -> dict[str, Any]:
-        return dict(self._values)

@@ -31,7 +31,7 @@ def clean_env() -> dict[str, str]:
 def test_demo_serves_until_sigint() -> None:
     port = free_port()
     proc = subprocess.Popen(
-        [*DEMO, "--port", str(port), "--backends", "2", "--host", "127.0.0.1"],
+        [*DEMO, "--port", str(port), "--count", "2", "--host", "127.0.0.1"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=clean_env(),
     )  # fmt: skip
     lines: Queue[str] = Queue()
@@ -71,7 +71,7 @@ def _percent_row(output: str, label: str) -> list[float]:
 
 def test_demo_load_prints_a_table_where_prefix_beats_random() -> None:
     done = subprocess.run(
-        [*DEMO, "--load", "--backends", "2", "--groups", "6", "--prompts", "6", "--concurrency", "4",
+        [*DEMO, "--load", "--count", "2", "--groups", "6", "--prompts", "6", "--concurrency", "4",
          "--system-tokens", "512"],
         capture_output=True, text=True, timeout=120, env=clean_env(),
     )  # fmt: skip

@@ -18,6 +18,20 @@ NAMESPACE = "llm"
 
 Manifests = dict[tuple[str, str], dict[str, Any]]  # (kind, name) -> object
 
+# The one value an install must add to the chart's defaults: where the backends are. Without it (static
+# discovery, no backends) the chart refuses to render.
+ONE_BACKEND: dict[str, Any] = {"backends": [{"url": f"http://vllm-0.vllm-headless.{NAMESPACE}.svc:8000"}]}
+
+
+def with_backends(values: dict[str, Any] | None) -> dict[str, Any]:
+    """`values`, plus ONE_BACKEND when they say nothing of backends (neither a list nor a discovery mode)."""
+    values = dict(values or {})
+    config = dict(values.get("config", {}))
+    if "backends" not in config and "mode" not in config.get("discovery", {}):
+        config.update(ONE_BACKEND)
+    values["config"] = config
+    return values
+
 
 def index_manifests(files: dict[str, str]) -> Manifests:
     """Rendered template files -> objects by (kind, name); a duplicate is an error."""

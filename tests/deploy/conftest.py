@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from chartkit import CHART_DIR, NAMESPACE, RELEASE, Manifests, index_manifests
+from chartkit import CHART_DIR, NAMESPACE, RELEASE, Manifests, index_manifests, with_backends
 
 
 @pytest.fixture(scope="session")
@@ -26,10 +26,11 @@ def chart(helm: Any) -> Iterator[Any]:
 
 @pytest.fixture(scope="session")
 def render(chart: Any) -> Callable[..., Manifests]:
-    """Render the chart with `values` (merged over the defaults by Helm), indexed by kind and name."""
+    """Render the chart with `values` (merged over the defaults by Helm), indexed by kind and name; one
+    static backend is added when `values` name none (chartkit.with_backends)."""
 
     def _render(values: dict[str, Any] | None = None) -> Manifests:
-        files = chart.render(values=values or {}, name=RELEASE, namespace=NAMESPACE, is_install=True)
+        files = chart.render(values=with_backends(values), name=RELEASE, namespace=NAMESPACE, is_install=True)
         return index_manifests(files)
 
     return _render

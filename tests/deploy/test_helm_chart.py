@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import yaml
-from chartkit import CHART_DIR, NAMESPACE, RELEASE, Manifests, kinds, one
+from chartkit import CHART_DIR, NAMESPACE, RELEASE, Manifests, kinds, one, with_backends
 
 FULLNAME = f"{RELEASE}-prefix-router"
 
@@ -52,7 +52,7 @@ def container(manifests: Manifests) -> dict[str, Any]:
 
 @pytest.mark.parametrize("values", [None, DNS, EVERYTHING_ON], ids=["defaults", "dns", "everything-on"])
 def test_helm_lint_is_clean(helm: Any, values: dict[str, Any] | None) -> None:
-    report = helm.lint(CHART_DIR, values, strict=True, namespace=NAMESPACE)
+    report = helm.lint(CHART_DIR, with_backends(values), strict=True, namespace=NAMESPACE)
     assert report["errors"] == []
     problems = [m for m in report["messages"] if m["severity"] >= 2]  # 2 warning, 3 error
     assert problems == []
@@ -287,7 +287,9 @@ def test_grace_period_outlasts_prestop_and_drain(
 
 def test_a_too_short_grace_period_fails_the_render(chart: Any, helm: Any) -> None:
     with pytest.raises(helm.HelmError, match="terminationGracePeriodSeconds"):
-        chart.render(values={"terminationGracePeriodSeconds": 35}, name=RELEASE, namespace=NAMESPACE)
+        chart.render(
+            values=with_backends({"terminationGracePeriodSeconds": 35}), name=RELEASE, namespace=NAMESPACE
+        )
 
 
 # ---- the schema rejects bad values at install time -----------------------------------------------------
@@ -334,3 +336,48 @@ def test_schema_rejects_bad_values(chart: Any, helm: Any, values: dict[str, Any]
 @pytest.mark.parametrize("values", [{}, DNS, EVERYTHING_ON], ids=["defaults", "dns", "everything-on"])
 def test_schema_accepts_good_values(chart: Any, values: dict[str, Any]) -> None:
     chart.validate_schema(chart.merge_values(values))
+
+
+# ---- an install without backends is refused, not crash-looping ------------------------------------------
+
+
+def test_the_default_install_is_refused_naming_the_values_to_set(chart: Any, helm: Any) -> None:
+    """Static discovery and no backends: the router would exit 2 in every pod (a crash loop), so the
+    render itself stops and says what to set."""
+    with pytest.raises(helm.HelmError) as info:
+        chart.render(values={}, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    message = str(info.value)
+    assert "no backends" in message and "config.backends" in message
+    assert "config.discovery.mode=dns" in message and "config.discovery.dns_name" in message
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        pytest.param({"config": {"backends": [{"url": "http://vllm-0:8000"}]}}, id="static-list"),
+        pytest.param(DNS, id="dns"),
+        pytest.param(
+            {"config": {"discovery": {"mode": "kubernetes", "k8s_service": "vllm"}}}, id="kubernetes"
+        ),
+        pytest.param({"env": [{"name": "PREFIX_ROUTER_BACKENDS", "value": "http://vllm-0:8000"}]}, id="env"),
+        pytest.param({"envFrom": [{"configMapRef": {"name": "router-env"}}]}, id="env-from"),
+    ],
+)
+def test_any_source_of_backends_lets_the_install_render(chart: Any, values: dict[str, Any]) -> None:
+    files = chart.render(values=values, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    assert any(path.endswith("deployment.yaml") for path in files)
+
+
+def test_notes_say_where_the_backends_come_from(chart: Any) -> None:
+    def notes(values: dict[str, Any]) -> str:
+        files = chart.render(values=values, name=RELEASE, namespace=NAMESPACE, is_install=True)
+        text: str = files["prefix-router/templates/NOTES.txt"]
+        assert "WARNING: config.backends is empty" not in text  # that install is refused now
+        assert "/readyz" in text
+        return text
+
+    two = {"config": {"backends": [{"url": "http://vllm-0:8000"}, {"url": "http://vllm-1:8000"}]}}
+    assert 'discovery mode "static", 2 listed in config.backends.' in notes(two)
+    assert 'discovery mode "dns".' in notes(DNS)
+    env = {"env": [{"name": "PREFIX_ROUTER_BACKENDS", "value": "http://vllm-0:8000"}]}
+    assert "from PREFIX_ROUTER_BACKENDS" in notes(env)

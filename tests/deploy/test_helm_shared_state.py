@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from chartkit import NAMESPACE, RELEASE, kinds, one
+from chartkit import NAMESPACE, RELEASE, kinds, one, with_backends
 
 FULLNAME = f"{RELEASE}-prefix-router"
 ENV = "PREFIX_ROUTER_ROUTING__SHARED_STATE_URL"
@@ -73,4 +73,6 @@ def test_a_restricted_egress_lets_the_routers_reach_the_charts_redis(render: Any
 
 def test_enabled_without_a_store_fails_the_render(chart: Any, helm: Any) -> None:
     with pytest.raises(helm.HelmRenderError, match="sharedState"):
-        chart.render(values={"sharedState": {"enabled": True}}, name=RELEASE, namespace=NAMESPACE)
+        chart.render(
+            values=with_backends({"sharedState": {"enabled": True}}), name=RELEASE, namespace=NAMESPACE
+        )

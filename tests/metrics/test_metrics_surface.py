@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import prefix_router
 from prefix_router.fleet.backends import BackendSpec
+from prefix_router.frontend.local_routes import ERROR_TABLE
 from prefix_router.ops.metrics import (
     PREFILL_OUTCOMES,
     RETRY_REASONS,
@@ -21,7 +22,6 @@ from prefix_router.ops.metrics import (
     FleetSnapshot,
     RouterMetrics,
 )
-from prefix_router.router import ERROR_TABLE
 from prefix_router.routing.picker import Branch
 
 from routerkit import RunningRouter, eventually, free_socket, router_settings

@@ -114,8 +114,8 @@ async def test_no_backend_gives_openai_shaped_503(router, client) -> None:
 
 
 def test_every_error_code_is_a_closed_metric_label() -> None:
+    from prefix_router.frontend.local_routes import ERROR_TABLE
     from prefix_router.ops.metrics import ROUTER_ERROR_CODES
-    from prefix_router.router import ERROR_TABLE
 
     assert {code for _, _, code in ERROR_TABLE.values()} <= set(ROUTER_ERROR_CODES)
 

@@ -113,3 +113,20 @@ from the given Secret, else the chart's own single-pod Redis.
 {{- end }}
 {{- end }}
 {{- end }}
+
+{{/*
+The router refuses to start without backends (exit 2), so an install that gives it none would only
+crash-loop: refuse it here instead, naming the values to set. Backends come from config.backends, from
+discovery (dns, kubernetes), or from a PREFIX_ROUTER_BACKENDS variable in env (envFrom is not looked into:
+it may carry one).
+*/}}
+{{- define "prefix-router.checkBackends" -}}
+{{- $static := eq (toString (dig "discovery" "mode" "static" .Values.config)) "static" -}}
+{{- $fromEnv := false -}}
+{{- range .Values.env -}}
+{{- if eq (upper (toString .name)) "PREFIX_ROUTER_BACKENDS" -}}{{- $fromEnv = true -}}{{- end -}}
+{{- end -}}
+{{- if and $static (not .Values.config.backends) (not $fromEnv) (not .Values.envFrom) -}}
+{{- fail "no backends: set config.backends (--set 'config.backends[0].url=http://vllm-0.vllm:8000'), or discover them with config.discovery.mode=dns and config.discovery.dns_name=<headless Service of the vLLM pods>, or config.discovery.mode=kubernetes and config.discovery.k8s_service=<Service>" -}}
+{{- end -}}
+{{- end -}}

@@ -139,17 +139,17 @@ async def run_load(args: argparse.Namespace) -> int:
         groups=args.groups, prompts_per_group=args.prompts, system_tokens=args.system_tokens,
         max_tokens=MAX_TOKENS,
     )  # fmt: skip
-    config = load_sim_config(args.groups, args.system_tokens, args.backends, args.concurrency)
+    config = load_sim_config(args.groups, args.system_tokens, args.count, args.concurrency)
     oracle = oracle_hit_rate(
-        workload, block_size=config.block_size, capacity_blocks=config.capacity_blocks * args.backends
+        workload, block_size=config.block_size, capacity_blocks=config.capacity_blocks * args.count
     ).hit_rate
     print(
-        f"prefix-router demo --load: {workload.description}; {args.backends} simulated backends "
+        f"prefix-router demo --load: {workload.description}; {args.count} simulated backends "
         f"({config.capacity_blocks} KV blocks each, prefill {config.prefill_ms_per_token} ms/token), "
         f"concurrency {args.concurrency}",
         flush=True,
     )
-    async with SimFleet(config, count=args.backends) as fleet:
+    async with SimFleet(config, count=args.count) as fleet:
         urls = fleet.urls
         try:
             summaries = {p: await run_policy(args, fleet, workload, p, oracle) for p in POLICIES}

@@ -19,9 +19,8 @@ import http
 import logging
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 from urllib.parse import unquote
 
 import httptools
@@ -37,20 +36,10 @@ from prefix_router.errors import (
     RouterError,
     VersionNotSupported,
 )
+from prefix_router.frontend.exchange import AccessLog, ErrorRenderer, FlowControl, Handler
 from prefix_router.tcp import set_nodelay
 
 log = logging.getLogger("prefix_router")
-
-ResponseParts = tuple[int, list[tuple[bytes, bytes]], bytes]  # status, headers, body
-ErrorRenderer = Callable[[RouterError], ResponseParts]
-
-
-class AccessLog(Protocol):
-    """Told of every request the listener finished: answered, or refused before it was whole."""
-
-    def answered(self, ex: Exchange, duration_s: float) -> None: ...
-    def refused(self, client_ip: str | None, target: bytes, status: int) -> None: ...
-
 
 _REASONS = {s.value: s.phrase.encode() for s in http.HTTPStatus}
 _MAX_QUEUED = 8  # pipelined requests parsed ahead of the one being answered; then reading pauses
@@ -64,13 +53,6 @@ _LINGER_MAX_BYTES = 64 * 1024 * 1024
 BODY_BUDGET_WAIT_S = 2.0
 # RFC 3986 host (reg-name, IPv4, IP-literal) and port characters; anything else in Host is refused.
 _HOST_BYTES = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-._~!$&'()*+,;=%:[]"
-
-
-class FlowControl(Protocol):
-    """What a slow client pauses: the upstream connection feeding its response."""
-
-    def pause_reading(self) -> None: ...
-    def resume_reading(self) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,8 +112,8 @@ class BodyBudget:
             conn.budget_granted(need)
 
 
-class Exchange:
-    """One request, read whole, and the way back to its client."""
+class Http1Exchange:
+    """One HTTP/1.1 request, read whole, and the way back to its client: a `frontend.exchange.Exchange`."""
 
     __slots__ = (
         "_conn",
@@ -278,9 +260,6 @@ class Exchange:
         self.end()
 
 
-Handler = Callable[[Exchange], Awaitable[None]]
-
-
 class HttpProtocol(asyncio.Protocol):
     """One client connection: parse, queue, answer one request at a time, in order."""
 
@@ -293,8 +272,8 @@ class HttpProtocol(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.client_ip: str | None = None
         self.closing = False
-        self._queue: collections.deque[Exchange] = collections.deque()
-        self._current: Exchange | None = None
+        self._queue: collections.deque[Http1Exchange] = collections.deque()
+        self._current: Http1Exchange | None = None
         self._task: asyncio.Task[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._budget_timer: asyncio.TimerHandle | None = None
@@ -321,7 +300,7 @@ class HttpProtocol(asyncio.Protocol):
         self._chunked = False
         self._reserved = 0  # body budget held by the request being parsed
         self._awaiting_budget = False
-        self._budget_ex: Exchange | None = None  # a whole request that waits for body budget
+        self._budget_ex: Http1Exchange | None = None  # a whole request that waits for body budget
         self._expect_continue = False  # a 100 Continue is owed once this request is the current one
         self._http_11 = False
         self._last_body = 0.0
@@ -655,7 +634,7 @@ class HttpProtocol(asyncio.Protocol):
         parser = self._parser
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         self._body = []
-        ex = Exchange(
+        ex = Http1Exchange(
             self,
             parser.get_method().decode("latin-1"),
             self._url,
@@ -717,7 +696,7 @@ class HttpProtocol(asyncio.Protocol):
         self._current = ex
         self._task = self._loop.create_task(self._run(ex))
 
-    async def _run(self, ex: Exchange) -> None:
+    async def _run(self, ex: Http1Exchange) -> None:
         access = self._listener.access_log
         started = time.perf_counter() if access is not None else 0.0  # (uvloop's clock ticks in ms)
         try:
@@ -735,7 +714,7 @@ class HttpProtocol(asyncio.Protocol):
                 access.answered(ex, time.perf_counter() - started)
             self._finished(ex)
 
-    def _finished(self, ex: Exchange) -> None:
+    def _finished(self, ex: Http1Exchange) -> None:
         self._current = None
         self._task = None
         ex.flow = None

@@ -19,7 +19,7 @@ from typing import Any
 
 import orjson
 
-from prefix_router.frontend.http1 import Exchange
+from prefix_router.frontend.exchange import Exchange
 
 LOGGER_NAME = "prefix_router.access"
 MAX_PATH_CHARS = 1024  # a path is bounded by the head limit (64 KiB); a log line need not be
@@ -30,7 +30,7 @@ def _utc_now() -> datetime:
 
 
 class JsonAccessLog:
-    """frontend.http1.AccessLog as JSON lines; `skip_paths` are not logged (the local routes, by default)."""
+    """frontend.exchange.AccessLog as JSON lines, but for `skip_paths` (the local routes, by default)."""
 
     def __init__(
         self,
@@ -76,7 +76,11 @@ class JsonAccessLog:
 
     def _write(self, fields: dict[str, Any]) -> None:
         time = self._clock().isoformat(timespec="milliseconds").replace("+00:00", "Z")
-        self._logger.info(orjson.dumps({"time": time, **fields}).decode())
+        line = orjson.dumps({"time": time, **fields}).decode()
+        # Handed to the handlers whatever the logger's level: an access log that was asked for is
+        # written even under `log_level: warning`, and no logger's level is changed to get there.
+        record = self._logger.makeRecord(self._logger.name, logging.INFO, __file__, 0, line, (), None)
+        self._logger.handle(record)
 
 
 def route_to_stdout(logger: logging.Logger) -> None:

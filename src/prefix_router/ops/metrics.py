@@ -40,7 +40,8 @@ DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0
 # prefill hold at routing.prefill_wait_s (5 s); both may be set to tens of seconds.
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 STATUS_CLASSES = ("1xx", "2xx", "3xx", "4xx", "5xx")
-# Errors the router answers itself, by OpenAI-style error code (a closed set: app.ERROR_TABLE's codes).
+# Errors the router answers itself, by OpenAI-style error code (a closed set: the codes of
+# frontend.local_routes.ERROR_TABLE).
 ROUTER_ERROR_CODES = (
     "body_too_large",
     "headers_too_large",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import signal
 import sys
 from dataclasses import fields
@@ -15,6 +16,7 @@ from prefix_router.sim.config import SimConfig
 from prefix_router.sim.fleet import SimFleet
 
 _DEFAULTS = SimConfig()
+PROG = "prefix-router sim"
 
 # SimConfig field -> (flag, help). Each field's default and its source live in config.py.
 _CONFIG_FLAGS: dict[str, tuple[str, str]] = {
@@ -80,13 +82,21 @@ def run_sim(args: argparse.Namespace) -> int:
         config = config_from_args(args)
         fleet = SimFleet(config, host=args.host, base_port=args.port, count=args.count)
     except ValueError as exc:
-        print(f"prefix-router sim: {exc}", file=sys.stderr)
+        print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
     try:
         asyncio.run(_serve_until_signalled(fleet))
-    except OSError as exc:  # typically a port already in use
-        print(f"prefix-router sim: {exc}", file=sys.stderr)
-        return 1
+    except OSError as exc:  # typically a port already in use: one line, before any URL is printed
+        if exc.errno == errno.EADDRINUSE and args.port:
+            print(f"{PROG}: a port in {args.port}..{args.port + args.count - 1} is in use; try --port "
+                  f"{args.port + args.count} or --port 0 (free ports)", file=sys.stderr)  # fmt: skip
+        else:
+            print(f"{PROG}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # before the signal handlers below are installed
+        print(f"{PROG}: stopped", file=sys.stderr)
+        return 130
+    print(f"{PROG}: stopped", file=sys.stderr)
     return 0
 
 
