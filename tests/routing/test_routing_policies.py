@@ -7,9 +7,9 @@ import random
 
 import pytest
 
+from keykit import bare_key
 from prefix_router.routing.config import BalanceConfig, FirstPlacement
 from prefix_router.routing.decision import Branch, Candidates
-from prefix_router.routing.keys import KeySource, RoutingKey
 from prefix_router.routing.load import LoadTracker
 from prefix_router.routing.policies import Policy as RoutingPolicy
 from prefix_router.routing.policies.baseline import LeastLoadedPolicy, RandomPolicy, RoundRobinPolicy
@@ -23,29 +23,15 @@ RING = HashRing([Member(b) for b in IDS], 64)
 ALL = Candidates.of(IDS)
 
 
-def key(ring_hash: int, blocks: tuple[int, ...]) -> RoutingKey:
-    ends = tuple(256 * (i + 1) for i in range(max(len(blocks), 1)))
-    return RoutingKey(
-        ring_hash=ring_hash,
-        blocks=blocks,
-        source=KeySource.RAW,
-        model=None,
-        tenant=None,
-        size=256 * len(blocks),
-        ends=ends,
-        streaming=True,
-    )
-
-
 def test_the_prefix_policy_follows_an_index_fed_from_outside() -> None:
     index = PrefixIndex(1000)
     far = list(RING.walk(7))[-1]  # the last backend the ring walk would reach
     index.record((1, 2, 3), far)
     policy = PrefixPolicy(BalanceConfig(first_placement=FirstPlacement.RING), index, None, PendingPrefills())
-    decision = policy.pick(key(7, (1, 2, 3)), RING, ALL, LoadTracker(), wait=False)
+    decision = policy.pick(bare_key(7, (1, 2, 3)), RING, ALL, LoadTracker(), wait=False)
     assert (decision.backend_id, decision.branch) == (far, Branch.PREFIX_MATCH)
     index.forget_backend(far)
-    decision = policy.pick(key(7, (1, 2, 3)), RING, ALL, LoadTracker(), wait=False)
+    decision = policy.pick(bare_key(7, (1, 2, 3)), RING, ALL, LoadTracker(), wait=False)
     assert (decision.backend_id, decision.branch) == (RING.primary(7), Branch.AFFINITY)
 
 
@@ -54,9 +40,9 @@ def test_the_prefix_policy_answers_a_pending_prefill_with_its_ticket_only_when_a
     owner = IDS[2]
     ticket = pending.start((1, 2, 3), owner)
     policy = PrefixPolicy(BalanceConfig(), PrefixIndex(1000), None, pending)
-    held = policy.pick(key(9, (1, 2, 3)), RING, ALL, LoadTracker(), wait=True)
+    held = policy.pick(bare_key(9, (1, 2, 3)), RING, ALL, LoadTracker(), wait=True)
     assert (held.backend_id, held.branch, held.wait_for) == (owner, Branch.PREFIX_MATCH, ticket)
-    assert policy.pick(key(9, (1, 2, 3)), RING, ALL, LoadTracker(), wait=False).wait_for is None
+    assert policy.pick(bare_key(9, (1, 2, 3)), RING, ALL, LoadTracker(), wait=False).wait_for is None
 
 
 @pytest.mark.parametrize(
@@ -71,6 +57,6 @@ def test_baselines_ignore_the_prefix_and_never_wait(policy: RoutingPolicy) -> No
     pending = PendingPrefills()
     pending.start((1, 2, 3), IDS[0])
     for i in range(30):
-        decision = policy.pick(key(i, (1, 2, 3)), RING, ALL, LoadTracker(), wait=True)
+        decision = policy.pick(bare_key(i, (1, 2, 3)), RING, ALL, LoadTracker(), wait=True)
         assert decision.branch is Branch.BALANCED and decision.wait_for is None
         assert decision.backend_id in ALL.members
