@@ -1,14 +1,15 @@
-"""What every benchmark prints and saves: the machine, the versions, the command that reproduces it."""
+"""The benchmarks' harness: what every benchmark prints and saves (the machine, the versions, the command
+that reproduces it, one results line), CPU meters, and the peer's command line. Importing it puts tests/
+on the path: the benchmarks start, wait for and stop what they measure with the tests' kit (loopback,
+processes, rawhttp), so there is one way to do each.
+"""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import platform
 import shlex
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -17,6 +18,10 @@ from collections.abc import Iterable, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent / "tests"))  # after the script's folder
+
+from loopback import free_port
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -105,6 +110,12 @@ def write_results(name: str, payload: dict[str, Any]) -> Path:
     return path
 
 
+def report_results(name: str, payload: dict[str, Any], *, save: bool = True) -> None:
+    """Every benchmark's last line: where its figures were saved (nothing with --no-save)."""
+    if save:
+        print(f"\nresults: {write_results(name, payload)}")
+
+
 def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     def cell(v: Any) -> str:
         return "–" if v is None else str(v)
@@ -118,54 +129,16 @@ def median(values: Sequence[float]) -> float:
     return statistics.median(values)
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_for_port(port: int, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout_s:g} s")
-
-
-def pinned(argv: list[str], cpus: str | None) -> list[str]:
-    return ["taskset", "-c", cpus, *argv] if cpus else argv
-
-
-def start_process(argv: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    """A child in its own session (so stop_process reaches its children too), output to `log`."""
-    with log.open("wb") as fh:
-        return subprocess.Popen(
-            argv, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=log.parent
-        )
-
-
-def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
-    """SIGTERM, then SIGKILL if it has not exited after `timeout_s`; always reaped. A child started
-    in its own session (start_process) is signalled with its whole process group."""
-    if proc.poll() is not None:
-        return
-
-    def signal_it(sig: signal.Signals) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            if os.getpgid(proc.pid) == proc.pid:
-                os.killpg(proc.pid, sig)
-            else:
-                proc.send_signal(sig)
-
-    signal_it(signal.SIGTERM)
-    try:
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        signal_it(signal.SIGKILL)
-        proc.wait(timeout=timeout_s)
+def sglang_router_argv(
+    worker_urls: Sequence[str], port: int, *extra: str, python: str = sys.executable
+) -> list[str]:
+    """The peer, SGLang's router, with its cache-aware policy on 127.0.0.1:port. Its metrics exporter
+    binds 29000 by default: each gets a port of its own, so several can run side by side."""
+    return [
+        python, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls,
+        "--policy", "cache_aware", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warn",
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), *extra,
+    ]  # fmt: skip
 
 
 def cpu_seconds(pid: int) -> float:

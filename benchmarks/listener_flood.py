@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import subprocess
-import sys
 import time
 from collections import Counter
 
 import listener_memory as lm
-from _common import free_port, markdown_table, package_version, print_header, write_results
+from _common import markdown_table, package_version, print_header, report_results
+
+from rawhttp import read_response
 
 
 async def flooder(port: int, answers: Counter[str]) -> None:
@@ -46,8 +46,7 @@ async def run(port: int, flooders: int, probes: int) -> dict[str, object]:
     for _ in range(probes):
         t0 = time.perf_counter()
         writer.write(b"GET /healthz HTTP/1.1\r\nhost: bench\r\n\r\n")
-        status, _ = await lm.read_status(reader)
-        assert status == 200
+        assert (await read_response(reader)).status == 200
         latencies.append(time.perf_counter() - t0)
         await asyncio.sleep(0.01)
     writer.close()
@@ -71,23 +70,10 @@ def main() -> int:
     p.add_argument("--probes", type=int, default=300)
     args = p.parse_args()
     meta = print_header("Listener under a header flood", {"prefix-router": package_version("prefix-router")})
-    backend_port, port, metrics_port = free_port(), free_port(), free_port()
-    backend = subprocess.Popen(
-        [sys.executable, lm.__file__, "--backend", str(backend_port)], stdout=subprocess.PIPE
-    )
-    assert backend.stdout is not None
-    backend.stdout.readline()
-    router = lm.start_router(backend_port, port, metrics_port, None)
-    try:
-        result = asyncio.run(run(port, args.flooders, args.probes))
-    finally:
-        router.terminate()
-        backend.terminate()
-        router.wait(10)
-        backend.wait(10)
+    with lm.router_on_sink(None) as router:
+        result = asyncio.run(run(router.port, args.flooders, args.probes))
     print(markdown_table(["figure", "value"], list(result.items())))
-    path = write_results("listener_flood", {**meta, **result})
-    print(f"\nresults: {path}")
+    report_results("listener_flood", {**meta, **result})
     return 0
 
 

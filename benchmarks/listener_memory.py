@@ -17,16 +17,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from _common import free_port, markdown_table, package_version, print_header, wait_for_port, write_results
+from _common import markdown_table, package_version, print_header, report_results
+
+from loopback import free_port
+from processes import RouterProcess, launch_router, start_server, stop_process
+from rawhttp import read_response
 
 MiB = 1024 * 1024
 
@@ -72,7 +76,6 @@ class SinkBackend(asyncio.Protocol):
 async def serve_backend(port: int) -> None:
     loop = asyncio.get_running_loop()
     server = await loop.create_server(SinkBackend, "127.0.0.1", port)
-    print("ready", flush=True)
     async with server:
         await server.serve_forever()
 
@@ -87,37 +90,44 @@ def rss_kib(pid: int, field: str = "VmRSS:") -> int:
     return 0
 
 
-def start_router(
-    backend_port: int, port: int, metrics_port: int, buffered_mib: int | None
-) -> subprocess.Popen[bytes]:
+def start_router(work: Path, backend_port: int, buffered_mib: int | None) -> RouterProcess:
     server: dict[str, Any] = {"drain_timeout_s": 1.0}
     if buffered_mib is not None:
         server["max_buffered_body_bytes"] = buffered_mib * MiB
-    fd, config = tempfile.mkstemp(suffix=".yaml")
-    os.write(fd, json.dumps({"server": server, "health": {"interval_s": 1.0}}).encode())
-    os.close(fd)
-    argv = [sys.executable, "-m", "prefix_router", "serve", "--config", config, "--host", "127.0.0.1"]
-    argv += ["--port", str(port), "--metrics-port", str(metrics_port), "--log-level", "warning"]
-    argv += ["--backend", f"http://127.0.0.1:{backend_port}"]
-    proc = subprocess.Popen(argv)
-    wait_for_port(port, 30)
-    wait_for_port(metrics_port, 30)
-    return proc
+    config = work / "router.yaml"
+    config.write_text(json.dumps({"server": server, "health": {"interval_s": 1.0}}))  # JSON is YAML
+    flags = [
+        "--config",
+        str(config),
+        "--log-level",
+        "warning",
+        "--backend",
+        f"http://127.0.0.1:{backend_port}",
+    ]
+    router = launch_router(flags, work / "router.log", metrics_port=free_port())
+    router.wait_ready()
+    return router
+
+
+@contextlib.contextmanager
+def router_on_sink(buffered_mib: int | None) -> Iterator[RouterProcess]:
+    """The sink backend and a router in front of it, both children, stopped on the way out."""
+    with tempfile.TemporaryDirectory(prefix="prefix-router-bench-") as tmp:
+        work = Path(tmp)
+        backend_port = free_port()
+        argv = [sys.executable, __file__, "--backend", str(backend_port)]
+        backend = start_server(argv, [backend_port], work / "backend.log")
+        try:
+            router = start_router(work, backend_port, buffered_mib)
+            try:
+                yield router
+            finally:
+                router.stop()
+        finally:
+            stop_process(backend)
 
 
 # -- clients ---------------------------------------------------------------------------------------
-
-
-async def read_status(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
-    head = await reader.readuntil(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    headers = {}
-    for line in lines[1:]:
-        name, _, value = line.partition(":")
-        if name:
-            headers[name.strip().lower()] = value.strip()
-    await reader.readexactly(int(headers.get("content-length", "0")))
-    return int(lines[0].split()[1]), headers
 
 
 async def upload(port: int, size: int, retry: bool) -> list[int]:
@@ -128,14 +138,15 @@ async def upload(port: int, size: int, retry: bool) -> list[int]:
         writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: bench\r\ncontent-length: %d\r\n\r\n" % size)
         writer.write(body)
         try:
-            status, headers = await read_status(reader)
+            resp = await read_response(reader, timeout_s=120)
+            status, retry_after = resp.status, resp.header("retry-after")
         except (ConnectionError, asyncio.IncompleteReadError):
-            status, headers = 0, {}
+            status, retry_after = 0, None
         writer.close()
         statuses.append(status)
         if status != 503 or not retry:
             return statuses
-        await asyncio.sleep(float(headers.get("retry-after", "1")))
+        await asyncio.sleep(float(retry_after or "1"))
 
 
 async def small_requests(port: int, stop: asyncio.Event, outcomes: list[int], latencies: list[float]) -> None:
@@ -150,7 +161,7 @@ async def small_requests(port: int, stop: asyncio.Event, outcomes: list[int], la
         t0 = time.perf_counter()
         writer.write(requests[i % 2])
         try:
-            status, _ = await asyncio.wait_for(read_status(reader), 30)
+            status = (await read_response(reader, timeout_s=30)).status
         except (TimeoutError, ConnectionError, asyncio.IncompleteReadError):
             status = 0
             writer.close()
@@ -209,8 +220,7 @@ async def idle_case(pid: int, port: int, n: int) -> dict[str, Any]:
     for _ in range(n):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"GET /healthz HTTP/1.1\r\nhost: bench\r\n\r\n")
-        status, _ = await read_status(reader)
-        assert status == 200
+        assert (await read_response(reader)).status == 200
         conns.append(writer)
     await asyncio.sleep(1.0)
     held = rss_kib(pid)
@@ -240,21 +250,11 @@ def main() -> int:
     if args.quick:
         args.uploads, args.idle = 4, 200
     meta = print_header("Listener memory", {"prefix-router": package_version("prefix-router")})
-    backend_port, port, metrics_port = free_port(), free_port(), free_port()
-    backend = subprocess.Popen(
-        [sys.executable, __file__, "--backend", str(backend_port)], stdout=subprocess.PIPE
-    )
-    assert backend.stdout is not None
-    backend.stdout.readline()
-    router = start_router(backend_port, port, metrics_port, args.buffered_mib)
-    try:
-        up = asyncio.run(uploads_case(router.pid, port, args.uploads, args.upload_mib * MiB, args.retry))
-        idle = asyncio.run(idle_case(router.pid, port, args.idle))
-    finally:
-        router.terminate()
-        backend.terminate()
-        router.wait(10)
-        backend.wait(10)
+    with router_on_sink(args.buffered_mib) as router:
+        up = asyncio.run(
+            uploads_case(router.pid, router.port, args.uploads, args.upload_mib * MiB, args.retry)
+        )
+        idle = asyncio.run(idle_case(router.pid, router.port, args.idle))
     print(f"## {up['uploads']} concurrent uploads of {up['upload_mib']} MiB")
     print()
     keys = [k for k in up if k != "upload_statuses"]
@@ -263,8 +263,7 @@ def main() -> int:
     print("## idle kept-alive connections")
     print()
     print(markdown_table(["figure", "value"], list(idle.items())))
-    path = write_results("listener_memory", {**meta, "uploads": up, "idle": idle})
-    print(f"\nresults: {path}")
+    report_results("listener_memory", {**meta, "uploads": up, "idle": idle})
     return 0
 
 

@@ -35,23 +35,14 @@ import time
 from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (
-    busy_seconds,
-    cpu_seconds,
-    free_port,
-    markdown_table,
-    package_version,
-    pinned,
-    print_header,
-    start_process,
-    stop_process,
-    wait_for_port,
-    write_results,
-)
+from _common import busy_seconds, cpu_seconds, markdown_table, package_version, print_header, report_results
+
+from loopback import free_port
+from processes import RouterProcess, clean_env, launch_router, start_server, stop_processes
 
 # One event: its write time (perf_counter_ns: CLOCK_MONOTONIC, the same in every process) goes in "t".
 EVENT_HEAD = b'data: {"t":'
@@ -157,8 +148,8 @@ class StreamClient(asyncio.Protocol):
         self.established: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-        self.transport.write(
+        self.transport = stream = cast(asyncio.Transport, transport)  # uvloop's is no asyncio.Transport
+        stream.write(
             b"POST /v1/chat/completions?stream=%d HTTP/1.1\r\nhost: 127.0.0.1:%d\r\n"
             b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
             % (self.stream, self.port, len(REQUEST_BODY), REQUEST_BODY)
@@ -389,14 +380,11 @@ def raise_fd_limit(needed: int) -> int:
     return hard
 
 
-def start_router(work: Path, backend_port: int, cpus: str | None) -> tuple[Any, int]:
-    port = free_port()
-    exe = shutil.which("prefix-router") or str(Path(sys.executable).parent / "prefix-router")
-    argv = [exe, "serve", "--backend", f"http://127.0.0.1:{backend_port}", "--host", "127.0.0.1"]
-    argv += ["--port", str(port)]
-    proc = start_process(pinned(argv, cpus), work / "prefix-router.log", {**os.environ, **ROUTER_ENV})
-    wait_for_port(port, 30)
-    return proc, port
+def start_router(work: Path, backend_port: int, cpus: str | None) -> RouterProcess:
+    flags = ["--backend", f"http://127.0.0.1:{backend_port}"]
+    router = launch_router(flags, work / "prefix-router.log", env=clean_env(**ROUTER_ENV), cpus=cpus)
+    router.wait_ready()
+    return router
 
 
 async def serve_backend(port: int, seed: int, interval_ms: tuple[float, float]) -> None:
@@ -414,9 +402,7 @@ def start_backend(work: Path, args: argparse.Namespace) -> tuple[Any, int]:
     argv = [sys.executable, str(Path(__file__).resolve()), "--serve-backend", str(port)]
     argv += ["--seed", str(args.seed), "--min-interval-ms", str(args.min_interval_ms)]
     argv += ["--max-interval-ms", str(args.max_interval_ms)]
-    proc = start_process(pinned(argv, args.load_cpus), work / "backend.log")
-    wait_for_port(port, 30)
-    return proc, port
+    return start_server(argv, [port], work / "backend.log", cpus=args.load_cpus), port
 
 
 async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -427,13 +413,12 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
         backend, backend_port = start_backend(work, args)
         procs.append(backend)
         results.append(await run_phase("direct", backend_port, Run(), args, backend.pid, None))
-        router, router_port = await asyncio.to_thread(start_router, work, backend_port, args.router_cpus)
-        procs.append(router)
+        router = await asyncio.to_thread(start_router, work, backend_port, args.router_cpus)
+        procs.append(router.proc)
         await asyncio.sleep(1.0)  # its start-up health probe
-        results.append(await run_phase("prefix-router", router_port, Run(), args, backend.pid, router.pid))
+        results.append(await run_phase("prefix-router", router.port, Run(), args, backend.pid, router.pid))
     finally:
-        for proc in reversed(procs):
-            stop_process(proc)
+        stop_processes(procs)
         shutil.rmtree(work, ignore_errors=True)
     return results
 
@@ -548,9 +533,7 @@ def main() -> int:
             ],
         )
     )
-    if not args.no_save:
-        payload = {**meta, "args": vars(args), "results": results}
-        print(f"\nresults: {write_results('long_streams', payload)}")
+    report_results("long_streams", {**meta, "args": vars(args), "results": results}, save=not args.no_save)
     return 0
 
 

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import prometheus_client
 from prometheus_client import generate_latest
 
-from _common import markdown_table, package_version, print_header, write_results
+from _common import markdown_table, package_version, print_header, report_results
 from prefix_router.router import create_app
 from prefix_router.settings import load_settings
 
@@ -50,7 +50,7 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args()
     # As `prefix-router serve` does: no `_created` series.
-    prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
+    prometheus_client.disable_created_metrics()
     meta = print_header("/metrics scrape cost", {"prometheus_client": package_version("prometheus_client")})
     rows = [measure(n, args.repeats) for n in args.backends]
     print(
@@ -68,8 +68,7 @@ def main() -> None:
             ],
         )
     )
-    if not args.no_write:
-        print(f"\nwrote {write_results('metrics_scrape', {**meta, 'rows': rows})}")
+    report_results("metrics_scrape", {**meta, "rows": rows}, save=not args.no_write)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,17 +40,25 @@ from _common import (
     busy_seconds,
     children_cpu_seconds,
     cpu_seconds,
-    free_port,
     markdown_table,
     median,
     package_version,
-    pinned,
     print_header,
-    start_process,
-    stop_process,
+    report_results,
+    sglang_router_argv,
     tool_version,
-    wait_for_port,
-    write_results,
+)
+
+from loopback import free_port, wait_until
+from processes import (
+    ExitedEarly,
+    clean_env,
+    launch_router,
+    log_tail,
+    pinned,
+    start_process,
+    start_server,
+    stop_process,
 )
 
 CHAT_PATH = "/v1/chat/completions"
@@ -79,7 +87,7 @@ def mock_info_bodies(model_path: str) -> tuple[bytes, bytes]:
 
 def write_tokenizer(directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
-    tokenizer = {
+    tokenizer: dict[str, Any] = {
         "version": "1.0",
         "truncation": None,
         "padding": None,
@@ -397,57 +405,57 @@ def wait_http_ready(port: int, path: str, proc: subprocess.Popen[bytes], log: Pa
     """Wait until `path` answers 200 through the target (so its backend is registered and healthy)."""
     import http.client
 
-    deadline = time.monotonic() + timeout_s
     last = "no answer"
-    while time.monotonic() < deadline:
+
+    def ready() -> bool:
+        nonlocal last
         if proc.poll() is not None:
-            raise RuntimeError(f"target exited with {proc.returncode}; log:\n{log.read_text()[-3000:]}")
+            raise ExitedEarly("target", proc.returncode, log_tail(log))
         try:
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-            body = chat_body(False, 1024)
-            conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+            conn.request(
+                "POST", path, body=chat_body(False, 1024), headers={"Content-Type": "application/json"}
+            )
             resp = conn.getresponse()
             answer = resp.read()
             conn.close()
-            if resp.status == 200:
-                return
-            last = f"status {resp.status}: {answer[:300]!r}"
         except OSError as exc:
             last = repr(exc)
-        time.sleep(0.2)
-    raise TimeoutError(
-        f"target on :{port} not ready after {timeout_s:g} s ({last}); log:\n{log.read_text()[-3000:]}"
-    )
+            return False
+        last = f"status {resp.status}: {answer[:300]!r}"
+        return resp.status == 200
+
+    try:
+        wait_until(ready, timeout_s, f"target on :{port}", 0.2)
+    except TimeoutError:
+        raise TimeoutError(
+            f"target on :{port} not ready after {timeout_s:g} s ({last}); log:\n{log_tail(log)}"
+        ) from None
+
+
+ROUTER_ENV = {
+    # One backend takes every connection here: lift the per-backend concurrency bound (default 32)
+    # and its queue, which exist for GPU batches, not for a proxy benchmark.
+    "PREFIX_ROUTER_BALANCING__MAX_INFLIGHT": "100000",
+}
+UVLOOP_CLI = "import sys, uvloop; uvloop.install(); from prefix_router.cli import main; sys.exit(main())"
 
 
 def start_router(work: Path, backend_port: int, cpus: str | None, *, uvloop: bool = False) -> Target:
     """`prefix-router serve`, as shipped; with uvloop=True, the same CLI with uvloop's event loop
     installed first (what the shipped CLI would do with `asyncio.Runner(loop_factory=uvloop...)`)."""
-    port = free_port()
-    env = dict(os.environ)
-    # One backend takes every connection here: lift the per-backend concurrency bound (default 32)
-    # and its queue, which exist for GPU batches, not for a proxy benchmark.
-    env["PREFIX_ROUTER_BALANCING__MAX_INFLIGHT"] = "100000"
-    env["PREFIX_ROUTER_SERVER__LOG_LEVEL"] = "warning"
-    args = [
-        "serve",
-        "--backend",
-        f"http://127.0.0.1:{backend_port}",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-    ]
-    if uvloop:
-        code = "import sys, uvloop; uvloop.install(); from prefix_router.cli import main; sys.exit(main())"
-        argv = [sys.executable, "-c", code, *args]
-    else:
-        argv = [shutil.which("prefix-router") or str(Path(sys.executable).parent / "prefix-router"), *args]
     name = "router-uvloop" if uvloop else "prefix-router"
-    log = work / f"{name}.log"
-    proc = start_process(pinned(argv, cpus), log, env)
-    wait_http_ready(port, CHAT_PATH, proc, log, 30)
-    return Target(name, port, proc, log=log, extra={"env": "PREFIX_ROUTER_BALANCING__MAX_INFLIGHT=100000"})
+    flags = ["--backend", f"http://127.0.0.1:{backend_port}", "--log-level", "warning"]
+    router = launch_router(
+        flags,
+        work / f"{name}.log",
+        env=clean_env(**ROUTER_ENV),
+        cpus=cpus,
+        python_code=UVLOOP_CLI if uvloop else None,
+    )
+    wait_http_ready(router.port, CHAT_PATH, router.proc, router.log, 30)
+    env = " ".join(f"{k}={v}" for k, v in ROUTER_ENV.items())
+    return Target(name, router.port, router.proc, log=router.log, extra={"env": env})
 
 
 NGINX_CONF = """\
@@ -507,11 +515,8 @@ def start_sglang(work: Path, backend_port: int, cpus: str | None) -> Target | No
         print("sglang-router is not installed: skipping (pip install sglang-router)", file=sys.stderr)
         return None
     port = free_port()
-    argv = [sys.executable, "-m", "sglang_router.launch_router"]
-    argv += ["--worker-urls", f"http://127.0.0.1:{backend_port}", "--host", "127.0.0.1", "--port", str(port)]
-    argv += ["--policy", "cache_aware", "--log-level", "warn", "--prometheus-port", str(free_port())]
-    argv += ["--prometheus-host", "127.0.0.1", "--log-dir", str(work / "sglang-logs")]
-    argv += ["--tokenizer-path", str(work / MODEL)]
+    extra = ["--log-dir", str(work / "sglang-logs"), "--tokenizer-path", str(work / MODEL)]
+    argv = sglang_router_argv([f"http://127.0.0.1:{backend_port}"], port, *extra)
     log = work / "sglang.log"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = start_process(pinned(argv, cpus), log, env)
@@ -617,138 +622,159 @@ def ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}x"
 
 
-def report(results: dict[str, dict[str, Any]], plan: Plan) -> tuple[str, dict[str, Any]]:
-    names = list(results)
-    lines: list[str] = []
-    rows = []
-    for mode, label in (("plain", "non-streaming"), ("stream", "stream (whole)")):
-        for conns in plan.connections:
-            key = f"{mode}@{conns}"
-            row: list[Any] = [label, conns]
-            for n in names:
-                cell = results[n]["cells"].get(key)
-                if cell is None:
-                    row.append(None)
-                    continue
-                txt = f"{cell['rps']:,.0f}"
-                if cell["cpu_us_per_req"] is not None:
-                    txt += f" ({cell['cpu_us_per_req']:.0f} µs)"
-                if cell["errors"]:
-                    txt += f" [{cell['errors']} err]"
-                row.append(txt)
-            rows.append(row)
-    bg_row: list[Any] = ["background CPUs (max)", ""]
-    for n in names:
-        bgs = [c["background_cpus"] for c in results[n]["cells"].values()]
-        bg_row.append(f"{max(bgs):.2f}" if bgs else None)
-    rows.append(bg_row)
-    lines.append("req/s, median of runs (proxy CPU µs per request in brackets):\n")
-    lines.append(markdown_table(["workload", "conns", *names], rows))
+MODES = (("plain", "non-streaming"), ("stream", "stream (whole)"))
+PEERS = ("direct", "nginx", "sglang-router")
 
-    def rps(n: str, key: str) -> float | None:
-        cell = results.get(n, {}).get("cells", {}).get(key)
+
+@dataclass
+class Figures:
+    """The measured cells of every target, by "mode@connections" (and "latency@1")."""
+
+    results: dict[str, dict[str, Any]]
+    plan: Plan
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.results)
+
+    def cell(self, name: str, key: str) -> dict[str, Any] | None:
+        cell: dict[str, Any] | None = self.results.get(name, {}).get("cells", {}).get(key)
+        return cell
+
+    def rps(self, name: str, key: str) -> float | None:
+        cell = self.cell(name, key)
         return None if cell is None else cell["rps"]
 
-    def cpu(n: str, key: str) -> float | None:
-        cell = results.get(n, {}).get("cells", {}).get(key)
+    def cpu(self, name: str, key: str) -> float | None:
+        cell = self.cell(name, key)
         return None if cell is None else cell["cpu_us_per_req"]
 
-    proxies = [n for n in names if n != "direct"]
-    if proxies:
-        # On a shared machine req/s measures the CPU share a proxy got; CPU time per request is what
-        # it costs, and 1e6 / (CPU µs per request) is what one whole core would sustain at that cost.
-        crows = []
-        for mode, label in (("plain", "non-streaming"), ("stream", "stream (whole)")):
-            for conns in plan.connections:
-                key = f"{mode}@{conns}"
-                row = [label, conns]
-                for n in proxies:
-                    c = cpu(n, key)
-                    row.append(None if not c else f"{c:.0f} µs → {1e6 / c:,.0f}/s")
-                crows.append(row)
-        lines.append("\nproxy CPU per request → requests per CPU-second (1e6 / CPU µs):\n")
-        lines.append(markdown_table(["workload", "conns", *proxies], crows))
+    def cells(self, modes: Sequence[tuple[str, str]] = MODES) -> list[tuple[str, str, int]]:
+        """(key, label, connections) of every throughput cell, in table order."""
+        return [(f"{mode}@{conns}", label, conns) for mode, label in modes for conns in self.plan.connections]
 
+
+def throughput_cell(cell: dict[str, Any] | None) -> str | None:
+    if cell is None:
+        return None
+    txt = f"{cell['rps']:,.0f}"
+    if cell["cpu_us_per_req"] is not None:
+        txt += f" ({cell['cpu_us_per_req']:.0f} µs)"
+    if cell["errors"]:
+        txt += f" [{cell['errors']} err]"
+    return txt
+
+
+def throughput_table(f: Figures) -> str:
+    rows: list[list[Any]] = [
+        [label, conns, *(throughput_cell(f.cell(n, key)) for n in f.names)] for key, label, conns in f.cells()
+    ]
+    bg_row: list[Any] = ["background CPUs (max)", ""]
+    for n in f.names:
+        bgs = [c["background_cpus"] for c in f.results[n]["cells"].values()]
+        bg_row.append(f"{max(bgs):.2f}" if bgs else None)
+    rows.append(bg_row)
+    return "req/s, median of runs (proxy CPU µs per request in brackets):\n\n" + markdown_table(
+        ["workload", "conns", *f.names], rows
+    )
+
+
+def cpu_table(f: Figures, proxies: list[str]) -> str:
+    # On a shared machine req/s measures the CPU share a proxy got; CPU time per request is what
+    # it costs, and 1e6 / (CPU µs per request) is what one whole core would sustain at that cost.
+    def per_cpu(c: float | None) -> str | None:
+        return None if not c else f"{c:.0f} µs → {1e6 / c:,.0f}/s"
+
+    rows = [[label, conns, *(per_cpu(f.cpu(n, key)) for n in proxies)] for key, label, conns in f.cells()]
+    return "proxy CPU per request → requests per CPU-second (1e6 / CPU µs):\n\n" + markdown_table(
+        ["workload", "conns", *proxies], rows
+    )
+
+
+def ratio_table(f: Figures) -> tuple[str, dict[str, Any]]:
     ratios: dict[str, Any] = {}
-    others = ("direct", "nginx", "sglang-router")
-    if "prefix-router" in results:
-        rrows = []
-        for mode, label in (("plain", "non-streaming"), ("stream", "stream")):
-            for conns in plan.connections:
-                key = f"{mode}@{conns}"
-                r = rps("prefix-router", key)
-                vals = [ratio(r, rps(o, key)) for o in others]
-                mine = cpu("prefix-router", key)
-                # CPU-normalised: the other's CPU per request over ours (> 1: we are cheaper).
-                cvals = [ratio(cpu(o, key), mine) for o in ("nginx", "sglang-router")]
-                ratios[key] = {
-                    **dict(zip([f"rps/{o}" for o in others], vals, strict=True)),
-                    **dict(zip(["cpu/nginx", "cpu/sglang-router"], cvals, strict=True)),
-                }
-                rrows.append([label, conns, *vals, *cvals])
-        lines.append(
-            "\nprefix-router as a ratio (req/s measured; and per CPU-second, the other's CPU/req ÷ ours):\n"
-        )
-        head = ["workload", "conns", "router/direct", "router/nginx", "router/sglang"]
-        lines.append(markdown_table([*head, "per-CPU vs nginx", "per-CPU vs sglang"], rrows))
+    rows = []
+    for key, label, conns in f.cells((("plain", "non-streaming"), ("stream", "stream"))):
+        vals = [ratio(f.rps("prefix-router", key), f.rps(o, key)) for o in PEERS]
+        # CPU-normalised: the other's CPU per request over ours (> 1: we are cheaper).
+        cvals = [ratio(f.cpu(o, key), f.cpu("prefix-router", key)) for o in ("nginx", "sglang-router")]
+        ratios[key] = {
+            **dict(zip([f"rps/{o}" for o in PEERS], vals, strict=True)),
+            **dict(zip(["cpu/nginx", "cpu/sglang-router"], cvals, strict=True)),
+        }
+        rows.append([label, conns, *vals, *cvals])
+    head = ["workload", "conns", "router/direct", "router/nginx", "router/sglang"]
+    text = "prefix-router as a ratio (req/s measured; and per CPU-second, the other's CPU/req ÷ ours):\n\n"
+    return text + markdown_table([*head, "per-CPU vs nginx", "per-CPU vs sglang"], rows), ratios
 
-    lat = [(n, results[n]["cells"].get("latency@1")) for n in names]
-    direct = results.get("direct", {}).get("cells", {}).get("latency@1")
-    lrows = []
-    for n, cell in lat:
+
+def latency_table(f: Figures) -> str | None:
+    direct = f.cell("direct", "latency@1")
+    rows = []
+    for n in f.names:
+        cell = f.cell(n, "latency@1")
         if cell is None:
             continue
-        add50 = cell["p50_us"] - direct["p50_us"] if direct else None
-        add99 = cell["p99_us"] - direct["p99_us"] if direct else None
-        lrows.append(
-            [
-                n,
-                f"{cell['p50_us']:.0f}",
-                f"{cell['p99_us']:.0f}",
-                None if add50 is None else f"{add50:+.0f}",
-                None if add99 is None else f"{add99:+.0f}",
-                f"{cell['rps']:,.0f}",
-            ]
-        )
-    if lrows:
-        lines.append("\nlatency at 1 connection, non-streaming (µs; added = target − direct):\n")
-        lines.append(markdown_table(["target", "p50", "p99", "added p50", "added p99", "req/s"], lrows))
+        added = [f"{cell[p] - direct[p]:+.0f}" if direct else None for p in ("p50_us", "p99_us")]
+        rows.append([n, f"{cell['p50_us']:.0f}", f"{cell['p99_us']:.0f}", *added, f"{cell['rps']:,.0f}"])
+    if not rows:
+        return None
+    return "latency at 1 connection, non-streaming (µs; added = target − direct):\n\n" + markdown_table(
+        ["target", "p50", "p99", "added p50", "added p99", "req/s"], rows
+    )
 
-    checks = []
+
+Check = tuple[str, str, bool]
+
+
+def at_least(what: str, unit: str, ours: float | None, theirs: float | None, bound: float) -> list[Check]:
+    """The check "ours / theirs >= bound" against SGLang, or none when either figure is missing."""
+    if not ours or not theirs:
+        return []
+    return [(f"{what} >= {bound}x SGLang ({unit})", f"{ours / theirs:.2f}x", ours / theirs >= bound)]
+
+
+def target_checks(f: Figures) -> list[Check]:
+    if "prefix-router" not in f.results:
+        return []
+    checks: list[Check] = []
+
+    def versus_sglang(what: str, key: str, bound: float) -> None:
+        # per CPU: their CPU per request over ours, so > 1 means we are cheaper
+        us, them = "prefix-router", "sglang-router"
+        checks.extend(at_least(what, "req/s", f.rps(us, key), f.rps(them, key), bound))
+        checks.extend(at_least(what, "per CPU", f.cpu(them, key), f.cpu(us, key), bound))
+
+    if "sglang-router" in f.results:
+        c64 = max((c for c in f.plan.connections if c <= 64), default=None)
+        if c64 is not None:
+            versus_sglang(f"non-streaming @{c64}", f"plain@{c64}", 0.7)
+        for conns in f.plan.connections:
+            versus_sglang(f"streaming @{conns}", f"stream@{conns}", 1.5)
+    ours, direct = f.cell("prefix-router", "latency@1"), f.cell("direct", "latency@1")
+    if ours and direct:
+        add = (ours["p50_us"] - direct["p50_us"]) / 1000
+        checks.append(("added p50 at 1 conn <= 0.3 ms", f"{add:.3f} ms", add <= 0.3))
+    return checks
+
+
+def report(results: dict[str, dict[str, Any]], plan: Plan) -> tuple[str, dict[str, Any]]:
+    f = Figures(results, plan)
+    sections = [throughput_table(f)]
+    proxies = [n for n in f.names if n != "direct"]
+    if proxies:
+        sections.append(cpu_table(f, proxies))
+    ratios: dict[str, Any] = {}
     if "prefix-router" in results:
-        c64 = max((c for c in plan.connections if c <= 64), default=None)
-        if c64 is not None and "sglang-router" in results:
-            r = (rps("prefix-router", f"plain@{c64}") or 0) / (rps("sglang-router", f"plain@{c64}") or 1)
-            checks.append((f"non-streaming @{c64} >= 0.7x SGLang (req/s)", f"{r:.2f}x", r >= 0.7))
-            a, b = cpu("prefix-router", f"plain@{c64}"), cpu("sglang-router", f"plain@{c64}")
-            if a and b:
-                checks.append(
-                    (f"non-streaming @{c64} >= 0.7x SGLang (per CPU)", f"{b / a:.2f}x", b / a >= 0.7)
-                )
-        if "sglang-router" in results:
-            for conns in plan.connections:
-                a, b = rps("prefix-router", f"stream@{conns}"), rps("sglang-router", f"stream@{conns}")
-                if a is not None and b:
-                    checks.append(
-                        (f"streaming @{conns} >= 1.5x SGLang (req/s)", f"{a / b:.2f}x", a / b >= 1.5)
-                    )
-                ca, cb = cpu("prefix-router", f"stream@{conns}"), cpu("sglang-router", f"stream@{conns}")
-                if ca and cb:
-                    checks.append(
-                        (f"streaming @{conns} >= 1.5x SGLang (per CPU)", f"{cb / ca:.2f}x", cb / ca >= 1.5)
-                    )
-        rl = results["prefix-router"]["cells"].get("latency@1")
-        if rl and direct:
-            add = (rl["p50_us"] - direct["p50_us"]) / 1000
-            checks.append(("added p50 at 1 conn <= 0.3 ms", f"{add:.3f} ms", add <= 0.3))
+        text, ratios = ratio_table(f)
+        sections.append(text)
+    if (latency := latency_table(f)) is not None:
+        sections.append(latency)
+    checks = target_checks(f)
     if checks:
-        lines.append("\ntargets from the issue:\n")
-        lines.append(
-            markdown_table(
-                ["target", "measured", "met"], [[t, m, "yes" if ok else "NO"] for t, m, ok in checks]
-            )
-        )
-    return "\n".join(lines), {"ratios": ratios, "checks": [list(c) for c in checks]}
+        rows = [[t, m, "yes" if ok else "NO"] for t, m, ok in checks]
+        sections.append("targets:\n\n" + markdown_table(["target", "measured", "met"], rows))
+    return "\n\n".join(sections), {"ratios": ratios, "checks": [list(c) for c in checks]}
 
 
 def client_compare(work: Path, mock_port: int, luas: dict[str, Path], plan: Plan) -> dict[str, Any]:
@@ -910,11 +936,10 @@ def main() -> int:
         # tokenizer there (a relative path) and requests naming model "bench-model" match its worker.
         write_tokenizer(work / MODEL)
         mock_argv += ["--chunks", str(args.chunks), "--mock-model-path", MODEL]
-        mock = start_process(pinned(mock_argv, plan.load_cpus), work / "mock.log")
+        mock = start_server(mock_argv, [mock_port], work / "mock.log", cpus=plan.load_cpus)
         global MOCK_PID
         MOCK_PID = mock.pid
         try:
-            wait_for_port(mock_port)
             starters = {
                 "direct": lambda: Target("direct", mock_port, None),
                 "router": lambda: start_router(work, mock_port, plan.proxy_cpus),
@@ -944,17 +969,16 @@ def main() -> int:
     if cmp is not None:
         print()
         print(client_table(cmp))
-    if not args.no_save:
-        payload = {
-            **meta,
-            "plan": plan.__dict__,
-            "body_bytes": args.body_bytes,
-            "chunks": args.chunks,
-            "results": results,
-            "summary": summary,
-            "client_compare": cmp,
-        }
-        print(f"\nwrote {write_results('proxy_throughput', payload)}")
+    payload = {
+        **meta,
+        "plan": plan.__dict__,
+        "body_bytes": args.body_bytes,
+        "chunks": args.chunks,
+        "results": results,
+        "summary": summary,
+        "client_compare": cmp,
+    }
+    report_results("proxy_throughput", payload, save=not args.no_save)
     return 0
 
 

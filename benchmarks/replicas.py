@@ -22,8 +22,6 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,14 +35,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (
-    RESULTS_DIR,
-    free_port,
-    markdown_table,
-    package_version,
-    print_header,
-    write_results,
-)
+from _common import RESULTS_DIR, markdown_table, package_version, print_header, write_results
 from prefix_router import __version__
 from prefix_router.loadgen.drivers import (
     RequestResult,
@@ -59,6 +50,8 @@ from prefix_router.loadgen.drivers import (
 from prefix_router.loadgen.workloads import Workload, hot_prefix, oracle_hit_rate
 from prefix_router.sim.config import SimConfig
 from prefix_router.sim.fleet import SimFleet
+
+from processes import RouterProcess, launch_router, stop_processes
 
 REPLICAS = 3
 BACKENDS = 4
@@ -91,13 +84,11 @@ class Run:
     errors: int
 
 
-def router_config(
-    urls: list[str], port: int, variant: Variant, order: int, load_factor: float
-) -> dict[str, Any]:
+def router_config(urls: list[str], variant: Variant, order: int, load_factor: float) -> dict[str, Any]:
     # Each replica lists the backends in its own order, as discovery may: the ring does not care.
     listed = urls[order:] + urls[:order]
     return {
-        "server": {"host": "127.0.0.1", "port": port, "log_level": "warning"},
+        "server": {"log_level": "warning"},
         "backends": [{"url": u} for u in listed],
         # Requests over the bound everywhere wait (bounded) in the replica rather than fail at once.
         "balancing": {
@@ -111,47 +102,20 @@ def router_config(
     }
 
 
-async def wait_ready(session: aiohttp.ClientSession, url: str, proc: subprocess.Popen[bytes]) -> None:
-    for _ in range(300):  # 30 s
-        if proc.poll() is not None:
-            raise RuntimeError(f"router exited with {proc.returncode}")
-        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-            async with session.get(url + "/readyz", timeout=aiohttp.ClientTimeout(total=1)) as resp:
-                if resp.status == 200:
-                    return
-        await asyncio.sleep(0.1)
-    raise RuntimeError(f"router not ready at {url}")
-
-
 @contextlib.asynccontextmanager
-async def replicas(
-    session: aiohttp.ClientSession, urls: list[str], variant: Variant, workdir: Path
-) -> AsyncIterator[list[str]]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFIX_ROUTER_")}
-    procs: list[tuple[subprocess.Popen[bytes], Any]] = []
-    bases = []
+async def replicas(urls: list[str], variant: Variant, workdir: Path) -> AsyncIterator[list[str]]:
+    """REPLICAS routers in front of the same backends, ready; stopped on the way out."""
+    started: list[RouterProcess] = []
     try:
         for i in range(REPLICAS):
-            port = free_port()
             path = workdir / f"replica-{i}.yaml"
-            path.write_text(yaml.safe_dump(router_config(urls, port, variant, i, LOAD_FACTOR[0])))
-            log = open(workdir / f"replica-{i}.log", "ab")  # noqa: SIM115, ASYNC230 - closed below
-            cmd = [sys.executable, "-m", "prefix_router", "serve", "--config", str(path)]
-            procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log))  # noqa: ASYNC220
-            bases.append(f"http://127.0.0.1:{port}")
-        for (proc, _), base in zip(procs, bases, strict=True):
-            await wait_ready(session, base, proc)
-        yield bases
+            path.write_text(yaml.safe_dump(router_config(urls, variant, i, LOAD_FACTOR[0])))
+            started.append(launch_router(["--config", str(path)], workdir / f"replica-{i}.log"))
+        for router in started:
+            await router.ready(readyz=True)
+        yield [r.url for r in started]
     finally:
-        for proc, _ in procs:
-            proc.terminate()
-        for proc, log in procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            log.close()
+        stop_processes([r.proc for r in started])
 
 
 def split(workload: Workload, parts: int) -> list[Workload]:
@@ -171,7 +135,7 @@ async def run_one(
     oracle: float,
     workdir: Path,
 ) -> Run:
-    async with replicas(session, urls, variant, workdir) as bases:
+    async with replicas(urls, variant, workdir) as bases:
         await reset_sim(session, urls)
         before = await snapshot(session, urls)
         decisions_before = [await fetch_router_decisions(session, b) for b in bases]

@@ -22,7 +22,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import markdown_table, package_version, print_header, write_results
+from _common import markdown_table, package_version, print_header, report_results
 from prefix_router.router import create_app
 from prefix_router.routing.response_ids import (
     RESPONSES_PATH,
@@ -153,8 +153,7 @@ def main() -> int:
         rows.append([name, f"{us:.2f}", per_event, size or "–"])
         results.append({"case": name, "us": us, "bytes": size})
     print(markdown_table(["case", "µs per call", "µs per event", "bytes"], rows))
-    if not args.no_save:
-        print(f"\nwrote {write_results('responses_rewrite', {**meta, 'results': results})}")
+    report_results("responses_rewrite", {**meta, "results": results}, save=not args.no_save)
     return 0
 
 

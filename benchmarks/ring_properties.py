@@ -22,7 +22,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import BackgroundMeter, markdown_table, package_version, print_header, write_results
+from _common import BackgroundMeter, markdown_table, package_version, print_header, report_results
 from prefix_router.routing.hashing import vnode_hash
 from prefix_router.routing.ring import HashRing, Member
 
@@ -242,16 +242,15 @@ def main() -> int:
     )
     print(markdown_table(["backends", "points", "primary, ns", "first 2 of walk, ns", "build, ms"], crows))
 
-    if not args.no_save:
-        payload = {
-            **meta,
-            "movement": moves,
-            "balance": balance,
-            "costs": costs,
-            "share_check_gap": gap,
-            "background_cpus": meter.cpus,
-        }
-        print(f"\nwrote {write_results('ring_properties', payload)}")
+    payload = {
+        **meta,
+        "movement": moves,
+        "balance": balance,
+        "costs": costs,
+        "share_check_gap": gap,
+        "background_cpus": meter.cpus,
+    }
+    report_results("ring_properties", payload, save=not args.no_save)
     return 0
 
 

@@ -30,14 +30,17 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import BackgroundMeter, markdown_table, package_version, print_header, write_results
+from _common import BackgroundMeter, markdown_table, package_version, print_header, report_results
 from prefix_router.fleet.backends import BackendSet, BackendSpec, HealthPolicy
+from prefix_router.routing.config import KeyConfig
 from prefix_router.routing.keys import RoutingKey, extract_key
 from prefix_router.routing.load import LoadTracker
 from prefix_router.routing.picker import Candidates, Picker
 from prefix_router.routing.ring import HashRing, Member
 from prefix_router.runtime import tune_gc
 from prefix_router.settings import Settings
+
+from texts import random_text
 
 CHAT = "/v1/chat/completions"
 # Words for synthetic prompt text.
@@ -50,13 +53,7 @@ WORDS = tuple(_VOCABULARY.split(" "))
 
 
 def text_of(rng: random.Random, size: int) -> str:
-    out: list[str] = []
-    n = 0
-    while n < size:
-        w = rng.choice(WORDS)
-        out.append(w)
-        n += len(w) + 1
-    return " ".join(out)[:size]
+    return random_text(rng, size, WORDS)
 
 
 def chat_body(total_bytes: int, seed: int = 1) -> bytes:
@@ -186,6 +183,34 @@ def profile(label: str, fn: Callable[[], Any], calls: int) -> str:
     return f"cProfile of {label} ({calls} calls), by own time:\n" + (text[start:] if start >= 0 else text)
 
 
+def decision_call(fleet: Fleet, path: str, body: bytes, cfg: KeyConfig) -> Callable[[], Any]:
+    """The decision as the proxy makes it, in one call: the key, then the pick."""
+    return lambda: fleet.pick(extract_key(path, body, None, cfg))
+
+
+def add_decision_rounds(
+    rounds: Rounds, label: str, path: str, body: bytes, fleet: Fleet, settings: Settings
+) -> RoutingKey:
+    """The rounds of one request body: its key, the pick cold and warm, and the decision as the proxy
+    makes it in one call (key, then pick: index miss, then hit)."""
+    cfg = settings.key_config()
+    key = extract_key(path, body, None, cfg)
+    picker_warm = Picker(settings.balance_config(), random.Random(0))
+    picker_warm.placed(key, fleet.urls[0])
+    rounds.add(f"{label}/extract", lambda: extract_key(path, body, None, cfg))
+    rounds.add(f"{label}/pick_cold", lambda: fleet.pick(key))
+    rounds.add(f"{label}/pick_warm", lambda: picker_warm.pick(key, fleet.ring, fleet.candidates, fleet.load))
+    rounds.add(f"{label}/placed", lambda: picker_warm.placed(key, fleet.urls[0]))
+    rounds.add(f"{label}/decision_cold", decision_call(fleet, path, body, cfg))
+    rounds.add(
+        f"{label}/decision_warm",
+        lambda: picker_warm.pick(
+            extract_key(path, body, None, cfg), fleet.ring, fleet.candidates, fleet.load
+        ),
+    )
+    return key
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--fleets", default="4,32,256,1000", help="fleet sizes (default: %(default)s)")
@@ -240,27 +265,7 @@ def main() -> int:
     rounds = Rounds(args.min_time, args.repeats)
     keys: dict[str, RoutingKey] = {}
     for label, path, body, _target in cases:
-        key = keys[label] = extract_key(path, body, None, cfg)
-        picker_warm = Picker(settings.balance_config(), random.Random(0))
-        picker_warm.placed(key, fleet.urls[0])
-        rounds.add(f"{label}/extract", lambda path=path, body=body: extract_key(path, body, None, cfg))
-        rounds.add(f"{label}/pick_cold", lambda key=key: fleet.pick(key))
-        rounds.add(
-            f"{label}/pick_warm",
-            lambda key=key, pw=picker_warm: pw.pick(key, fleet.ring, fleet.candidates, fleet.load),
-        )
-        rounds.add(f"{label}/placed", lambda key=key, pw=picker_warm: pw.placed(key, fleet.urls[0]))
-        # The decision as the proxy makes it, in one call: key, then pick (index miss, then hit).
-        rounds.add(
-            f"{label}/decision_cold",
-            lambda path=path, body=body: fleet.pick(extract_key(path, body, None, cfg)),
-        )
-        rounds.add(
-            f"{label}/decision_warm",
-            lambda path=path, body=body, pw=picker_warm: pw.pick(
-                extract_key(path, body, None, cfg), fleet.ring, fleet.candidates, fleet.load
-            ),
-        )
+        keys[label] = add_decision_rounds(rounds, label, path, body, fleet, settings)
     rounds.run()
     for label, path, body, target in cases:
         key = keys[label]
@@ -308,7 +313,7 @@ def main() -> int:
             profiles.append(
                 profile(
                     f"{label} decision",
-                    lambda p=path, b=body: fleet.pick(extract_key(p, b, None, cfg)),
+                    decision_call(fleet, path, body, cfg),
                     calls,
                 )
             )
@@ -409,17 +414,16 @@ def main() -> int:
     for text in profiles:
         print()
         print(text)
-    if not args.no_save:
-        payload = {
-            **meta,
-            "vnodes": vnodes,
-            "by_body": body_results,
-            "by_fleet": fleet_results,
-            "flatness": flat,
-            "profiles": profiles,
-            "background_cpus": meter.cpus,
-        }
-        print(f"wrote {write_results('routing_decision', payload)}")
+    payload = {
+        **meta,
+        "vnodes": vnodes,
+        "by_body": body_results,
+        "by_fleet": fleet_results,
+        "flatness": flat,
+        "profiles": profiles,
+        "background_cpus": meter.cpus,
+    }
+    report_results("routing_decision", payload, save=not args.no_save)
     return 0
 
 

@@ -48,7 +48,6 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import shlex
 import shutil
 import statistics
@@ -66,7 +65,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import RESULTS_DIR, free_port, package_version, print_header, stop_process, wait_for_port
+from _common import RESULTS_DIR, package_version, print_header, sglang_router_argv
 from prefix_router import __version__
 from prefix_router.loadgen.drivers import RunSummary, Target, balanced_placement, client_session, measure
 from prefix_router.loadgen.traces import (
@@ -93,6 +92,10 @@ from prefix_router.loadgen.workloads import (
 )
 from prefix_router.sim.config import SimConfig
 from prefix_router.sim.fleet import SimFleet
+
+from loopback import eventually, free_port
+from processes import clean_env, http_status, log_tail, start_process, stop_processes
+from redisserver import RedisServer
 
 MAX_NUM_SEQS = 8  # per simulated backend; the router's max_inflight is twice this
 ROUTER_MAX_INFLIGHT = 16
@@ -309,12 +312,7 @@ def router_command(
     policy: PolicySpec, urls: Sequence[str], port: int, workdir: Path, tag: str, shared_url: str | None
 ) -> list[str]:
     if policy.kind == "sglang":
-        return [
-            sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *urls,
-            "--policy", "cache_aware", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warn",
-            # Its metrics exporter binds 29000 by default: one port each, so replicas can run side by side.
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-        ]  # fmt: skip
+        return sglang_router_argv(urls, port)
     config: dict[str, Any] = {
         # backend_header: the tenants workload's stickiness is read from it
         "server": {"host": "127.0.0.1", "port": port, "log_level": "warning", "backend_header": True},
@@ -331,22 +329,16 @@ def router_command(
     return [sys.executable, "-m", "prefix_router", "serve", "--config", str(path)]
 
 
-async def wait_ready(
-    session: aiohttp.ClientSession, url: str, proc: subprocess.Popen[bytes], log_path: Path
-) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+async def wait_ready(url: str, proc: subprocess.Popen[bytes], log_path: Path) -> None:
+    def ready() -> bool:
         if proc.poll() is not None:
-            log = log_path.read_text(errors="replace")[-2000:]  # noqa: ASYNC240 - a short local file
+            log = log_tail(log_path, 2000)
             if "config error" in log:  # a setting this build does not know, e.g. routing.shared_state_url
                 raise Unsupported(f"the router refused its settings: {log.strip()[-300:]}")
             raise RuntimeError(f"router exited with {proc.returncode}: {log.strip()[-500:]}")
-        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-            async with session.get(url, timeout=aiohttp.ClientTimeout(total=1)) as resp:
-                if resp.status == 200:
-                    return
-        await asyncio.sleep(0.1)
-    raise RuntimeError(f"router not ready at {url}")
+        return http_status(url) == 200
+
+    await eventually(lambda: asyncio.to_thread(ready), 30, f"router ready at {url}")
 
 
 class RouterGroup:
@@ -369,36 +361,28 @@ class RouterGroup:
             )
         self.bases = [base for _, base, _ in self._plan]
         self.command = shlex.join(self._plan[0][0])
-        self._started: list[tuple[subprocess.Popen[bytes], Any]] = []
+        self._started: list[subprocess.Popen[bytes]] = []
 
     def start(self) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("PREFIX_ROUTER_")}
-        for cmd, _, log_path in self._plan:
-            log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-            self._started.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log))
+        env = clean_env()
+        self._started = [start_process(cmd, log_path, env) for cmd, _, log_path in self._plan]
 
-    async def ready(self, session: aiohttp.ClientSession) -> None:
+    async def ready(self) -> None:
         path = "/readiness" if self.policy.kind == "sglang" else "/readyz"
         await asyncio.gather(*(
-            wait_ready(session, base + path, proc, log_path)
-            for (proc, _), (_, base, log_path) in zip(self._started, self._plan, strict=True)
+            wait_ready(base + path, proc, log_path)
+            for proc, (_, base, log_path) in zip(self._started, self._plan, strict=True)
         ))  # fmt: skip
         if self.policy.kind == "sglang":
             await asyncio.sleep(1.0)  # its workers register asynchronously after /readiness
 
     def stop(self) -> None:
-        for proc, _ in self._started:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc, log in self._started:
-            stop_process(proc)
-            log.close()
+        stop_processes(self._started)
         self._started = []
 
 
 @contextlib.asynccontextmanager
 async def routers(
-    session: aiohttp.ClientSession,
     policy: PolicySpec,
     urls: Sequence[str],
     replicas: int,
@@ -409,29 +393,24 @@ async def routers(
     group = RouterGroup(policy, urls, replicas, workdir, f"{time.monotonic_ns()}", shared_url)
     try:
         group.start()
-        await group.ready(session)
+        await group.ready()
         yield group
     finally:
         group.stop()
 
 
 @contextlib.asynccontextmanager
-async def redis_server(workdir: Path) -> AsyncIterator[str]:
+async def redis_server() -> AsyncIterator[str]:
     """A throwaway redis-server on a loopback port (no persistence); yields its redis:// URL."""
     binary = shutil.which("redis-server")
     if binary is None:
         raise SystemExit("--replicas-shared needs redis-server (apt-get install -y redis-server)")
-    port = free_port()
-    cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-           "--dir", str(workdir)]  # fmt: skip
-    log = open(workdir / "redis.log", "wb")  # noqa: SIM115, ASYNC230 - closed below
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)  # noqa: ASYNC220
+    server = RedisServer(binary)
     try:
-        await asyncio.to_thread(wait_for_port, port, 10.0)
-        yield f"redis://127.0.0.1:{port}/0"
+        await asyncio.to_thread(server.start)
+        yield server.url
     finally:
-        stop_process(proc)
-        log.close()
+        server.close()
 
 
 async def redis_flush(url: str) -> None:
@@ -530,7 +509,7 @@ async def run_one(
             group = RouterGroup(policy, ctx.urls, setup.replicas, workdir, f"{layout}-{mode}-{setup.name}",
                                 shared_url if setup.shared else None)  # fmt: skip
             group.start()
-            await group.ready(session)
+            await group.ready()
         elif isinstance(group, BaseException):
             raise group
         run.router_command = group.command
@@ -568,7 +547,6 @@ def combinations(
 
 
 async def start_early(
-    session: aiohttp.ClientSession,
     combos: list[tuple[PolicySpec, Setup]],
     urls: Sequence[str],
     workdir: Path,
@@ -583,7 +561,7 @@ async def start_early(
         if policy.kind != "static" and not setup.shared and key not in skip:
             groups[key] = RouterGroup(policy, urls, setup.replicas, workdir, f"{tag}-{setup.replicas}")
             groups[key].start()
-    outcomes = await asyncio.gather(*(g.ready(session) for g in groups.values()), return_exceptions=True)
+    outcomes = await asyncio.gather(*(g.ready() for g in groups.values()), return_exceptions=True)
     early: dict[tuple[str, str], RouterGroup | BaseException] = {}
     for (key, group), outcome in zip(groups.items(), outcomes, strict=True):
         if isinstance(outcome, BaseException):
@@ -608,7 +586,7 @@ async def run_layout(
 ) -> list[Run]:
     """Every (policy, setup) of one layout and mode, one after another on the layout's fleet."""
     runs: list[Run] = []
-    early = await start_early(session, combos, ctx.urls, workdir, f"{layout}-{mode}", unsupported)
+    early = await start_early(combos, ctx.urls, workdir, f"{layout}-{mode}", unsupported)
     try:
         for policy, setup in combos:
             label = f"{policy.name} [{setup.name}]"
@@ -978,7 +956,7 @@ async def run(args: argparse.Namespace) -> int:
         async with contextlib.AsyncExitStack() as stack:
             shared_url = args.shared_state_url
             if args.replicas > 1 and args.replicas_shared and not shared_url:
-                shared_url = await stack.enter_async_context(redis_server(workdir))
+                shared_url = await stack.enter_async_context(redis_server())
             session = await stack.enter_async_context(client_session())
             for spec in specs:
                 spec_runs, contexts = await run_workload(

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import http.client
-import os
 import shutil
 import subprocess
 import sys
@@ -34,10 +33,14 @@ from redis.asyncio import Redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import free_port, markdown_table, package_version, print_header, wait_for_port, write_results
+from _common import markdown_table, package_version, print_header, report_results
 from prefix_router import __version__
 from prefix_router.fleet.shared_state import SharedPlacement
 from prefix_router.routing.shared_view import ClaimRequest
+
+from loopback import eventually, free_port
+from processes import RouterProcess, launch_router, start_server, stop_processes
+from redisserver import RedisServer
 
 HERE = Path(__file__).resolve().parent
 CHAT = "/v1/chat/completions"
@@ -59,10 +62,10 @@ def bodies(n: int) -> list[bytes]:
     return out
 
 
-def router_config(port: int, backends: list[str], shared_url: str) -> dict[str, Any]:
+def router_config(backends: list[str], shared_url: str) -> dict[str, Any]:
     routing: dict[str, Any] = {"shared_state_url": shared_url}
     return {
-        "server": {"host": "127.0.0.1", "port": port, "log_level": "warning"},
+        "server": {"log_level": "warning"},
         "backends": [{"url": u} for u in backends],
         "routing": routing,
         "health": {"interval_s": 3600},
@@ -91,10 +94,7 @@ async def round_trips(url: str, n: int) -> dict[str, float]:
     PING from redis-py: what the script costs over the bare round trip."""
     shared = SharedPlacement(url, 1.0, CollectorRegistry())
     task = asyncio.get_running_loop().create_task(shared.run())
-    for _ in range(500):
-        if shared.up:
-            break
-        await asyncio.sleep(0.01)
+    await eventually(lambda: shared.up, 5, "the shared store connected")
     listed = tuple(f"http://10.9.0.{i}:8000" for i in range(4))
     redis = Redis.from_url(url)  # the same library, its own pool
     out: dict[str, float] = {}
@@ -115,6 +115,49 @@ async def round_trips(url: str, n: int) -> dict[str, float]:
     return out
 
 
+def start_routers(work: Path, redis_url: str, backends: list[str]) -> dict[str, RouterProcess]:
+    """One router without shared state ("local") and one with it ("shared"), side by side."""
+    routers = {}
+    for mode in ("local", "shared"):
+        path = work / f"{mode}.yaml"
+        path.write_text(yaml.safe_dump(router_config(backends, redis_url if mode == "shared" else "")))
+        routers[mode] = launch_router(["--config", str(path)], work / f"{mode}.log")
+    for router in routers.values():
+        router.wait_ready()
+    return routers
+
+
+def interleaved_latencies(ports: dict[str, int], warmup: int, requests: int) -> dict[str, list[float]]:
+    """Seconds per request of each router, the two taking turns at going first."""
+    conns = {m: http.client.HTTPConnection("127.0.0.1", p, timeout=10) for m, p in ports.items()}
+    latencies: dict[str, list[float]] = {m: [] for m in ports}
+    headers = {"content-type": "application/json"}
+    for i, body in enumerate(bodies(warmup + requests)):
+        for mode in ("local", "shared") if i % 2 == 0 else ("shared", "local"):
+            started = time.perf_counter()
+            conns[mode].request("POST", CHAT, body=body, headers=headers)
+            resp = conns[mode].getresponse()
+            resp.read()
+            elapsed = time.perf_counter() - started
+            if resp.status != 200:
+                sys.exit(f"{mode}: status {resp.status}")
+            if i >= warmup:
+                latencies[mode].append(elapsed)
+    return latencies
+
+
+def latency_table(latencies: dict[str, list[float]]) -> tuple[str, dict[str, Any], dict[float, float]]:
+    rows = []
+    summary: dict[str, Any] = {}
+    quantiles = (0.5, 0.9, 0.99)
+    for mode in ("local", "shared"):
+        summary[mode] = {q: percentile(latencies[mode], q) * 1e6 for q in quantiles}
+        rows.append([mode, len(latencies[mode]), *(f"{summary[mode][q]:.0f}" for q in quantiles)])
+    added = {q: summary["shared"][q] - summary["local"][q] for q in quantiles}
+    rows.append(["added by shared state", "", *(f"{added[q]:+.0f}" for q in quantiles)])
+    return markdown_table(["mode", "requests", "p50 µs", "p90 µs", "p99 µs"], rows), summary, added
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--requests", type=int, default=2000, help="sequential requests per mode")
@@ -123,85 +166,32 @@ def main() -> None:
     redis_bin = shutil.which("redis-server")
     if redis_bin is None:
         sys.exit("redis-server is not installed (Debian: apt-get install redis-server)")
+    redis_version = subprocess.run([redis_bin, "--version"], capture_output=True, text=True).stdout.split()[2]
     meta = print_header(
         "Added latency of shared placement state (Redis on loopback)",
-        {
-            "prefix-router": __version__,
-            "redis-py": package_version("redis"),
-            "redis-server": subprocess.run(
-                [redis_bin, "--version"], capture_output=True, text=True
-            ).stdout.split()[2],
-        },
+        {"prefix-router": __version__, "redis-py": package_version("redis"), "redis-server": redis_version},
     )
-    procs: list[subprocess.Popen[bytes]] = []
+    redis = RedisServer(redis_bin)
+    children: list[subprocess.Popen[bytes]] = []
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            redis_port = free_port()
-            procs.append(
-                subprocess.Popen(
-                    [redis_bin, "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "", "--dir", tmp],
-                    stdout=subprocess.DEVNULL,
-                )
-            )
+            redis.start()
             backend_ports = [free_port() for _ in range(4)]
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(HERE / "_soak_backend.py"), *map(str, backend_ports)],
-                    stdout=subprocess.DEVNULL,
-                )
-            )
-            for port in (redis_port, *backend_ports):
-                wait_for_port(port)
-            backends = [f"http://127.0.0.1:{p}" for p in backend_ports]
-            ports = {"local": free_port(), "shared": free_port()}
-            for mode, port in ports.items():
-                path = Path(tmp) / f"{mode}.yaml"
-                url = f"redis://127.0.0.1:{redis_port}/0" if mode == "shared" else ""
-                path.write_text(yaml.safe_dump(router_config(port, backends, url)))
-                cmd = [sys.executable, "-m", "prefix_router", "serve", "--config", str(path)]
-                procs.append(subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}))
-            for port in ports.values():
-                wait_for_port(port)
+            argv = [sys.executable, str(HERE / "_soak_backend.py"), *map(str, backend_ports)]
+            children.append(start_server(argv, backend_ports, Path(tmp) / "backends.log"))
+            routers = start_routers(Path(tmp), redis.url, [f"http://127.0.0.1:{p}" for p in backend_ports])
+            children += [r.proc for r in routers.values()]
             time.sleep(1.5)  # the shared router's first ping
-            conns = {m: http.client.HTTPConnection("127.0.0.1", p, timeout=10) for m, p in ports.items()}
-            latencies: dict[str, list[float]] = {m: [] for m in ports}
-            work = bodies(args.warmup + args.requests)
-            headers = {"content-type": "application/json"}
-            for i, body in enumerate(work):
-                order = ("local", "shared") if i % 2 == 0 else ("shared", "local")
-                for mode in order:
-                    conn = conns[mode]
-                    started = time.perf_counter()
-                    conn.request("POST", CHAT, body=body, headers=headers)
-                    resp = conn.getresponse()
-                    resp.read()
-                    elapsed = time.perf_counter() - started
-                    if resp.status != 200:
-                        sys.exit(f"{mode}: status {resp.status}")
-                    if i >= args.warmup:
-                        latencies[mode].append(elapsed)
+            ports = {m: r.port for m, r in routers.items()}
+            latencies = interleaved_latencies(ports, args.warmup, args.requests)
             counts = {m: decisions(p) for m, p in ports.items()}
-            for proc in procs[1:]:
-                proc.terminate()  # the round trips alone: only redis-server and this process run
-            alone = asyncio.run(round_trips(f"redis://127.0.0.1:{redis_port}/1", args.requests))
+            stop_processes(children)  # the round trips alone: only redis-server and this process run
+            alone = asyncio.run(round_trips(f"redis://127.0.0.1:{redis.port}/1", args.requests))
         finally:
-            for proc in reversed(procs):
-                proc.terminate()
-            for proc in procs:
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-    rows = []
-    summary: dict[str, Any] = {}
-    for mode in ("local", "shared"):
-        values = latencies[mode]
-        figures = {q: percentile(values, q) * 1e6 for q in (0.5, 0.9, 0.99)}
-        summary[mode] = figures
-        rows.append([mode, len(values), *(f"{figures[q]:.0f}" for q in (0.5, 0.9, 0.99))])
-    added = {q: summary["shared"][q] - summary["local"][q] for q in (0.5, 0.9, 0.99)}
-    rows.append(["added by shared state", "", *(f"{added[q]:+.0f}" for q in (0.5, 0.9, 0.99))])
-    print(markdown_table(["mode", "requests", "p50 µs", "p90 µs", "p99 µs"], rows))
+            stop_processes(children)
+            redis.close()
+    table, summary, added = latency_table(latencies)
+    print(table)
     print()
     print(
         f"- the claim alone (in this process, nothing else running): p50 {alone['claim']:.0f} µs,"
@@ -209,11 +199,14 @@ def main() -> None:
     )
     print(f"- shared router's decisions: {counts['shared']}")
     print(f"- local router's decisions: {counts['local']}")
-    path = write_results(
-        "shared_state_latency",
-        {**meta, "latency_us": summary, "added_us": added, "round_trip_p50_us": alone, "decisions": counts},
-    )
-    print(f"- results: {path}")
+    payload = {
+        **meta,
+        "latency_us": summary,
+        "added_us": added,
+        "round_trip_p50_us": alone,
+        "decisions": counts,
+    }
+    report_results("shared_state_latency", payload)
 
 
 if __name__ == "__main__":

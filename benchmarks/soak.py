@@ -51,17 +51,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import aiohttp
 import orjson
 
-from _common import (
-    RESULTS_DIR,
-    busy_seconds,
-    cpu_seconds,
-    free_port,
-    markdown_table,
-    package_version,
-    print_header,
-    wait_for_port,
-    write_results,
-)
+from _common import busy_seconds, cpu_seconds, markdown_table, package_version, print_header, report_results
+
+from loopback import free_port, wait_until
+from processes import RouterProcess, clean_env, launch_router, start_server, stop_processes
 
 CHAT_PATH = "/v1/chat/completions"
 TENANT_HEADER = "x-prefix-cache-key"
@@ -103,72 +96,39 @@ sys.exit(main(sys.argv[1:]))
 # -- processes ------------------------------------------------------------------------------------
 
 
-def _affinity(cpus: set[int] | None) -> Any:
-    if not cpus:
-        return None
-
-    def apply() -> None:
-        os.sched_setaffinity(0, cpus)
-
-    return apply
+def cpu_list(cpus: set[int] | None) -> str | None:
+    return ",".join(map(str, sorted(cpus))) if cpus else None
 
 
-def start_backends(ports: list[int], cpus: set[int] | None) -> subprocess.Popen[str]:
-    proc = subprocess.Popen(
-        [sys.executable, str(HERE / "_soak_backend.py"), *map(str, ports)],
-        stdout=subprocess.PIPE,
-        text=True,
-        preexec_fn=_affinity(cpus),
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if line.strip() != "ready":
-        raise RuntimeError(f"backends did not start: {line!r}")
-    return proc
+def start_backends(ports: list[int], cpus: set[int] | None, log: Path) -> subprocess.Popen[bytes]:
+    argv = [sys.executable, str(HERE / "_soak_backend.py"), *map(str, ports)]
+    return start_server(argv, ports, log, cpus=cpu_list(cpus))
 
 
 def start_router(
-    args: argparse.Namespace,
     backend_ports: list[int],
-    port: int,
     metrics_port: int,
     config: Path,
     log: Path,
     trace_dir: Path | None,
     cpus: set[int] | None,
-) -> subprocess.Popen[bytes]:
-    flags = ["serve", "--config", str(config), "--host", "127.0.0.1", "--port", str(port)]
-    flags += ["--metrics-port", str(metrics_port), "--log-level", "warning"]
+) -> RouterProcess:
+    flags = ["--config", str(config), "--log-level", "warning"]
     for p in backend_ports:
         flags += ["--backend", f"http://127.0.0.1:{p}"]
-    env = dict(os.environ)
+    env = clean_env()
     if trace_dir is not None:
         env["SOAK_TRACE_DIR"] = str(trace_dir)
-        argv = [sys.executable, "-c", _ROUTER_WRAPPER, *flags]
-    else:
-        argv = [sys.executable, "-m", "prefix_router", *flags]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            argv, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=_affinity(cpus)
-        )
+    code = _ROUTER_WRAPPER if trace_dir is not None else None
+    router = launch_router(
+        flags, log, env=env, cpus=cpu_list(cpus), metrics_port=metrics_port, python_code=code
+    )
     try:
-        wait_for_port(port, 30)
-        wait_for_port(metrics_port, 30)
-    except TimeoutError:
-        proc.kill()
-        raise RuntimeError(f"router did not start:\n{log.read_text()[-4000:]}") from None
-    return proc
-
-
-def stop_process(proc: subprocess.Popen[Any] | None) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)
+        router.wait_ready(timeout_s=180 if trace_dir is not None else 30)  # tracemalloc: imports ~20x slower
+    except BaseException:
+        router.stop()
+        raise
+    return router
 
 
 def write_config(path: Path, args: argparse.Namespace) -> None:
@@ -487,10 +447,10 @@ async def final_checks(metrics_url: str, backend_ports: list[int]) -> dict[str, 
     inflight = {lab["backend"]: v for name, lab, v in samples if name == "prefix_router_backend_inflight"}
 
     def total(metric: str, by: str) -> dict[str, float]:
-        out: Counter[str] = Counter()
+        out: dict[str, float] = {}
         for name, lab, v in samples:
             if name == metric:
-                out[lab.get(by, "")] += v
+                out[lab.get(by, "")] = out.get(lab.get(by, ""), 0.0) + v
         return dict(out)
 
     return {
@@ -545,11 +505,7 @@ def trace_report(trace_dir: Path, top: int = 25) -> dict[str, Any]:
 
 def signal_dump(pid: int, trace_dir: Path, seq: int, timeout_s: float = 120) -> None:
     os.kill(pid, signal.SIGUSR1)
-    deadline = time.monotonic() + timeout_s
-    while not (trace_dir / f"done{seq}").exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError("the router did not dump its snapshot")
-        time.sleep(0.1)
+    wait_until(lambda: (trace_dir / f"done{seq}").exists(), timeout_s, "the router's snapshot", 0.1)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -591,44 +547,58 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    versions = {
-        "prefix-router": package_version("prefix-router"),
-        "aiohttp": package_version("aiohttp"),
-        "uvicorn": package_version("uvicorn"),
-        "uvloop": package_version("uvloop"),
-    }
-    header = print_header("Soak: RSS and event-loop responsiveness under mixed load", versions)
+@dataclass
+class Soak:
+    """What one soak run measured, from outside the router process and from its /metrics."""
+
+    port: int
+    metrics_port: int
+    run: dict[str, Any]
+    cpu: dict[str, float]
+    load_avg: tuple[float, float]
+    probes: dict[str, Any]
+    rss_start: int
+    rss_end: int
+    hwm: int
+    warm_sockets: dict[str, int]
+    end_sockets: dict[str, int]
+    checks: dict[str, Any]
+    trace: dict[str, Any] | None
+    alive: bool
+
+
+def pin_cpus(pin: bool) -> tuple[set[int] | None, set[int] | None]:
+    """(the router's CPUs, everything else's); this process moves to the latter at once."""
     ncpu = os.cpu_count() or 1
-    router_cpus = {0} if args.pin else None
-    other_cpus = set(range(1, ncpu)) if args.pin else None
+    router_cpus = {0} if pin else None
+    other_cpus = set(range(1, ncpu)) if pin else None
     if other_cpus:
         os.sched_setaffinity(0, other_cpus)
+    return router_cpus, other_cpus
 
+
+def soak(args: argparse.Namespace) -> Soak:
+    """Start the backends, the router and the prober, drive the load, measure, stop everything."""
+    router_cpus, other_cpus = pin_cpus(args.pin)
     backend_ports = [free_port() for _ in range(args.backends)]
-    port, metrics_port = free_port(), free_port()
+    metrics_port = free_port()
     tmp = Path(tempfile.mkdtemp(prefix="soak-"))
     args.config_path = tmp / "router.yaml"
     write_config(args.config_path, args)
     trace_dir = tmp if args.trace_leaks else None
-    backends = router = None
+    children: list[subprocess.Popen[bytes]] = []
     prober = None
     ctx = mp.get_context("spawn")
     stop_probe = ctx.Event()
     probe_results = ctx.Queue()
     try:
-        backends = start_backends(backend_ports, other_cpus)
+        backends = start_backends(backend_ports, other_cpus, tmp / "backends.log")
+        children.append(backends)
         router = start_router(
-            args,
-            backend_ports,
-            port,
-            metrics_port,
-            args.config_path,
-            tmp / "router.log",
-            trace_dir,
-            router_cpus,
+            backend_ports, metrics_port, args.config_path, tmp / "router.log", trace_dir, router_cpus
         )
+        children.append(router.proc)
+        port = router.port
         print(f"- router pid {router.pid}, backends on ports {backend_ports}, temp dir {tmp}", flush=True)
         rss_start = rss_kb(router.pid)
         cpu0, load_cpu0, backends_cpu0 = (
@@ -652,7 +622,7 @@ def main(argv: list[str] | None = None) -> int:
             if trace_dir is not None:
                 signal_dump(router.pid, trace_dir, 1)
 
-        run = asyncio.run(drive(args, f"http://127.0.0.1:{port}", router.pid, on_warmup))
+        run = asyncio.run(drive(args, router.url, router.pid, on_warmup))
         cpu = {
             "router": cpu_seconds(router.pid) - cpu0,
             "backends": cpu_seconds(backends.pid) - backends_cpu0,
@@ -673,145 +643,177 @@ def main(argv: list[str] | None = None) -> int:
         if trace_dir is not None:
             signal_dump(router.pid, trace_dir, 2)
             trace = trace_report(trace_dir)
-        alive = router.poll() is None
+        alive = router.proc.poll() is None
     finally:
         if prober is not None and prober.is_alive():
             stop_probe.set()
             prober.join(5)
             if prober.is_alive():
                 prober.kill()
-        stop_process(router)
-        stop_process(backends)
+        stop_processes(children)
+    return Soak(
+        port, metrics_port, run, cpu, load_avg, probes, rss_start, rss_end, hwm,
+        warm_sockets, end_sockets, checks, trace, alive,
+    )  # fmt: skip
 
-    # -- report --
-    warm = run["warmup"]
-    rss_warm = warm.get("rss_kb")
-    growth = (rss_end - rss_warm) / rss_warm if rss_warm else None
-    outcomes = run["outcomes"]
-    mix_rows = []
+
+def mix_table(run: dict[str, Any]) -> tuple[str, int]:
+    """The outcome of each kind of request, and how many were not as expected."""
+    rows = []
     bad = 0
     for kind in MIX:
-        got = outcomes.get(kind, {})
+        got = run["outcomes"].get(kind, {})
         total = sum(got.values())
         good = got.get("ok", 0) + got.get("ok_closed", 0)
         bad += total - good
         others = ", ".join(f"{k} {v}" for k, v in sorted(got.items()) if k not in ("ok", "ok_closed"))
         share = f"{100 * total / max(1, run['completed']):.1f}%"
-        mix_rows.append([kind, total, share, good, others or "–"])
-    rate = run["completed"] / run["elapsed_s"]
-    print(
-        f"## Mix ({run['completed']:,} requests in {run['elapsed_s']:.1f} s, {rate:,.0f}/s, "
-        f"{args.concurrency} concurrent)"
-    )
-    print()
-    busy = ", ".join(f"{k} {100 * v / run['elapsed_s']:.0f}%" for k, v in cpu.items())
-    print(f"CPU busy during the load (of one CPU): {busy}; pinned: {args.pin}")
-    print(
-        f"machine load average (1 min) at the start and end of the load: {load_avg[0]:.2f}, {load_avg[1]:.2f}"
-    )
-    print()
-    print(markdown_table(["kind", "requests", "share", "as expected", "other outcomes"], mix_rows))
-    print()
+        rows.append([kind, total, share, good, others or "–"])
+    return markdown_table(["kind", "requests", "share", "as expected", "other outcomes"], rows), bad
 
-    lat_rows = []
-    probe_summary = {}
-    for label, p in (("main port /healthz", port), ("metrics port /healthz", metrics_port)):
-        ms = [v * 1000 for v in probes["latencies"][str(p)]]
-        summary = {
+
+def probe_summaries(args: argparse.Namespace, m: Soak) -> dict[str, dict[str, Any]]:
+    out = {}
+    for label, p in (("main port /healthz", m.port), ("metrics port /healthz", m.metrics_port)):
+        ms = [v * 1000 for v in m.probes["latencies"][str(p)]]
+        out[label] = {
             "count": len(ms),
             "p50_ms": statistics.median(ms) if ms else None,
             "p99_ms": pct(ms, 0.99),
             "max_ms": max(ms) if ms else None,
             "over_target": sum(1 for v in ms if v > args.target_probe_ms),
         }
-        probe_summary[label] = summary
-        lat_rows.append(
-            [
-                label,
-                summary["count"],
-                f"{summary['p50_ms']:.2f}",
-                f"{summary['p99_ms']:.2f}",
-                f"{summary['max_ms']:.2f}",
-                summary["over_target"],
-            ]
-        )
-    print(f"## Event loop: /healthz every {args.probe_interval_ms:g} ms during the load")
-    print()
-    print(
-        markdown_table(
-            ["probe", "probes", "p50 ms", "p99 ms", "max ms", f"> {args.target_probe_ms:g} ms"], lat_rows
-        )
-    )
-    if probes["errors"]:
-        print(f"\nprobe errors: {probes['errors']}")
-    print()
+    return out
 
+
+def probe_table(args: argparse.Namespace, summaries: dict[str, dict[str, Any]]) -> str:
+    def ms(v: float | None) -> str:
+        return "–" if v is None else f"{v:.2f}"
+
+    rows = [
+        [label, s["count"], ms(s["p50_ms"]), ms(s["p99_ms"]), ms(s["max_ms"]), s["over_target"]]
+        for label, s in summaries.items()
+    ]
+    head = ["probe", "probes", "p50 ms", "p99 ms", "max ms", f"> {args.target_probe_ms:g} ms"]
+    return markdown_table(head, rows)
+
+
+def resources_table(args: argparse.Namespace, m: Soak, growth: float | None) -> str:
+    warm = m.run["warmup"]
+    checks = m.checks
     inflight_nonzero = {k: v for k, v in checks["inflight"].items() if v}
-    backend_active = sum(b["active"] for b in checks["backend_stats"])
-    res_rows = [
-        ["router RSS at start", f"{rss_start / 1024:.1f} MiB"],
-        [f"router RSS after warm-up ({warm.get('at', 0):,} requests)", f"{(rss_warm or 0) / 1024:.1f} MiB"],
-        [f"router RSS at the end (+{args.settle_s:g} s)", f"{rss_end / 1024:.1f} MiB"],
-        ["RSS growth after warm-up", f"{100 * growth:+.2f}%" if growth is not None else "–"],
-        ["router peak RSS (VmHWM)", f"{hwm / 1024:.1f} MiB"],
+    bound_at = m.run["index_bound_at"]
+    rows: list[list[Any]] = [
+        ["router RSS at start", f"{m.rss_start / 1024:.1f} MiB"],
         [
-            "prefix index bound passed at request",
-            f"{run['index_bound_at']:,}" if run["index_bound_at"] else "never",
+            f"router RSS after warm-up ({warm.get('at', 0):,} requests)",
+            f"{(warm.get('rss_kb') or 0) / 1024:.1f} MiB",
         ],
-        ["router fds (warm-up → end)", f"{warm_sockets.get('fds')} → {end_sockets.get('fds')}"],
+        [f"router RSS at the end (+{args.settle_s:g} s)", f"{m.rss_end / 1024:.1f} MiB"],
+        ["RSS growth after warm-up", f"{100 * growth:+.2f}%" if growth is not None else "–"],
+        ["router peak RSS (VmHWM)", f"{m.hwm / 1024:.1f} MiB"],
+        ["prefix index bound passed at request", f"{bound_at:,}" if bound_at else "never"],
+        ["router fds (warm-up → end)", f"{m.warm_sockets.get('fds')} → {m.end_sockets.get('fds')}"],
         [
             "router sockets at the end",
-            ", ".join(f"{k} {v}" for k, v in sorted(end_sockets.items()) if k != "fds"),
+            ", ".join(f"{k} {v}" for k, v in sorted(m.end_sockets.items()) if k != "fds"),
         ],
         ["prefix_router_backend_inflight ≠ 0", inflight_nonzero or "none"],
-        ["backend handlers still active", backend_active],
+        ["backend handlers still active", backend_active(m)],
         ["backend handlers cancelled (client left)", sum(b["cancelled"] for b in checks["backend_stats"])],
         ["router client_disconnects_total", int(checks["client_disconnects"])],
         ["router requests by status class", checks["requests_by_status"]],
         ["router errors by code", checks["router_errors_by_code"]],
         ["retries by reason", checks["retries_by_reason"]],
         ["upstream errors by kind", checks["upstream_errors_by_kind"]],
-        ["router alive at the end", alive],
+        ["router alive at the end", m.alive],
     ]
+    return markdown_table(["figure", "value"], rows)
+
+
+def backend_active(m: Soak) -> int:
+    return sum(b["active"] for b in m.checks["backend_stats"])
+
+
+def print_trace(trace: dict[str, Any]) -> None:
+    print("\n## tracemalloc: what grew between warm-up and the end (router process)\n")
+    print(f"traced KiB at warm-up and end: {trace['traced_kb']}")
+    for g in trace["top_growth"][:15]:
+        where = " <- ".join(reversed(g["traceback"][-3:]))
+        print(f"- {g['size_diff_kb']:+.1f} KiB ({g['count_diff']:+d} blocks): {where}")
+    print("\nlive objects by type, growth:", trace["object_growth"][:15])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    versions = {
+        "prefix-router": package_version("prefix-router"),
+        "aiohttp": package_version("aiohttp"),
+        "uvicorn": package_version("uvicorn"),
+        "uvloop": package_version("uvloop"),
+    }
+    header = print_header("Soak: RSS and event-loop responsiveness under mixed load", versions)
+    m = soak(args)
+    run = m.run
+    rss_warm = run["warmup"].get("rss_kb")
+    growth = (m.rss_end - rss_warm) / rss_warm if rss_warm else None
+    mix, bad = mix_table(run)
+    rate = run["completed"] / run["elapsed_s"]
+    print(
+        f"## Mix ({run['completed']:,} requests in {run['elapsed_s']:.1f} s, {rate:,.0f}/s, "
+        f"{args.concurrency} concurrent)"
+    )
+    print()
+    busy = ", ".join(f"{k} {100 * v / run['elapsed_s']:.0f}%" for k, v in m.cpu.items())
+    print(f"CPU busy during the load (of one CPU): {busy}; pinned: {args.pin}")
+    print(
+        "machine load average (1 min) at the start and end of the load: "
+        f"{m.load_avg[0]:.2f}, {m.load_avg[1]:.2f}"
+    )
+    print()
+    print(mix)
+    print()
+    probe_summary = probe_summaries(args, m)
+    print(f"## Event loop: /healthz every {args.probe_interval_ms:g} ms during the load")
+    print()
+    print(probe_table(args, probe_summary))
+    if m.probes["errors"]:
+        print(f"\nprobe errors: {m.probes['errors']}")
+    print()
     print("## Resources")
     print()
-    print(markdown_table(["figure", "value"], res_rows))
+    print(resources_table(args, m, growth))
     print()
 
-    rss_ok = growth is not None and growth < args.target_growth
-    loop_ok = all((s["max_ms"] or 1e9) <= args.target_probe_ms for s in probe_summary.values())
-    leaks_ok = not inflight_nonzero and backend_active == 0
-    answers_ok = bad == 0 and run["completed"] == args.requests
-    verdict = {"rss_growth_ok": rss_ok, "loop_ok": loop_ok, "no_leaks": leaks_ok, "answers_ok": answers_ok}
+    verdict = {
+        "rss_growth_ok": growth is not None and growth < args.target_growth,
+        "loop_ok": all((s["max_ms"] or 1e9) <= args.target_probe_ms for s in probe_summary.values()),
+        "no_leaks": not any(m.checks["inflight"].values()) and backend_active(m) == 0,
+        "answers_ok": bad == 0 and run["completed"] == args.requests,
+    }
     print("## Verdict")
     print()
     print(markdown_table(["check", "pass"], [[k, "yes" if v else "NO"] for k, v in verdict.items()]))
-    if trace is not None:
-        print("\n## tracemalloc: what grew between warm-up and the end (router process)\n")
-        print(f"traced KiB at warm-up and end: {trace['traced_kb']}")
-        for g in trace["top_growth"][:15]:
-            where = " <- ".join(reversed(g["traceback"][-3:]))
-            print(f"- {g['size_diff_kb']:+.1f} KiB ({g['count_diff']:+d} blocks): {where}")
-        print("\nlive objects by type, growth:", trace["object_growth"][:15])
+    if m.trace is not None:
+        print_trace(m.trace)
     payload = {
         **header,
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "mix": MIX,
         "run": {k: v for k, v in run.items() if k != "samples"},
         "rss_samples": run["samples"],
-        "rss_kb": {"start": rss_start, "warmup": rss_warm, "end": rss_end, "hwm": hwm},
+        "rss_kb": {"start": m.rss_start, "warmup": rss_warm, "end": m.rss_end, "hwm": m.hwm},
         "rss_growth": growth,
-        "cpu_s": cpu,
-        "load_average": load_avg,
+        "cpu_s": m.cpu,
+        "load_average": m.load_avg,
         "probes": probe_summary,
-        "probe_errors": probes["errors"],
-        "sockets": {"warmup": warm_sockets, "end": end_sockets},
-        "checks": checks,
-        "trace": trace,
+        "probe_errors": m.probes["errors"],
+        "sockets": {"warmup": m.warm_sockets, "end": m.end_sockets},
+        "checks": m.checks,
+        "trace": m.trace,
         "verdict": verdict,
     }
-    path = write_results("soak", payload)
-    print(f"\nresults: {path.relative_to(RESULTS_DIR.parent.parent)}")
+    report_results("soak", payload)
     return 0 if all(verdict.values()) else 1
 
 

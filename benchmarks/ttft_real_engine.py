@@ -35,16 +35,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "vllm"
 
 from _common import (
     BackgroundMeter,
-    free_port,
     markdown_table,
     package_version,
-    pinned,
     print_header,
-    start_process,
-    stop_process,
-    wait_for_port,
-    write_results,
+    report_results,
+    sglang_router_argv,
 )
+
+from loopback import free_port, wait_until
+from processes import launch_router, pinned, start_process, stop_processes
 
 CHAT_PATH = b"/v1/chat/completions"
 
@@ -155,7 +154,10 @@ class HttpxStreamClient:
         return progress.timing(time.perf_counter())
 
 
-CLIENTS = {"raw": RawStreamClient, "httpx": HttpxStreamClient}
+CLIENTS: dict[str, type[RawStreamClient | HttpxStreamClient]] = {
+    "raw": RawStreamClient,
+    "httpx": HttpxStreamClient,
+}
 
 
 # -- the targets --------------------------------------------------------------------------------------
@@ -170,41 +172,38 @@ class Target:
 
 
 def wait_stream_ready(port: int, body: bytes, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
     last: Exception | None = None
-    while time.monotonic() < deadline:
+
+    def streams() -> bool:
+        nonlocal last
         try:
             client = RawStreamClient(port)
             try:
                 client.stream(body)
-                return
+                return True
             finally:
                 client.close()
         except (OSError, RuntimeError) as exc:
             last = exc
-            time.sleep(0.3)
-    raise TimeoutError(f"no streaming answer on :{port} within {timeout_s:g} s: {last}")
+            return False
+
+    try:
+        wait_until(streams, timeout_s, f"a streaming answer on :{port}", 0.3)
+    except TimeoutError:
+        raise TimeoutError(f"no streaming answer on :{port} within {timeout_s:g} s: {last}") from None
 
 
 def start_router(work: Path, backend: str, cpus: str | None) -> Target:
-    port = free_port()
-    exe = shutil.which("prefix-router") or str(Path(sys.executable).parent / "prefix-router")
-    argv = [exe, "serve", "--backend", backend, "--host", "127.0.0.1", "--port", str(port)]
-    # Without the vLLM tier's own PREFIX_ROUTER_VLLM_* variables, which the router would refuse as
-    # settings it does not know.
-    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("PREFIX_ROUTER_VLLM_")}
-    env["PREFIX_ROUTER_SERVER__LOG_LEVEL"] = "warning"
-    proc = start_process(pinned(argv, cpus), work / "prefix-router.log", env)
-    wait_for_port(port, 30)
-    return Target("prefix-router", port, proc)
+    flags = ["--backend", backend, "--log-level", "warning"]
+    router = launch_router(flags, work / "prefix-router.log", cpus=cpus)
+    router.wait_ready()
+    return Target("prefix-router", router.port, router.proc)
 
 
 def start_sglang(work: Path, backend: str, model: Path, cpus: str | None, python: str) -> Target:
     port = free_port()
-    argv = [python, "-m", "sglang_router.launch_router", "--worker-urls", backend]
-    argv += ["--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware", "--log-level", "warn"]
-    argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
-    argv += ["--log-dir", str(work / "sglang-logs"), "--tokenizer-path", str(model)]
+    extra = ["--log-dir", str(work / "sglang-logs"), "--tokenizer-path", str(model)]
+    argv = sglang_router_argv([backend], port, *extra, python=python)
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = start_process(pinned(argv, cpus), work / "sglang.log", env)
     return Target("sglang-router", port, proc)
@@ -352,9 +351,7 @@ def main() -> int:
             for c in clients.values():
                 c.close()
     finally:
-        for t in targets:
-            if t.proc is not None:
-                stop_process(t.proc)
+        stop_processes([t.proc for t in targets if t.proc is not None])
         shutil.rmtree(work, ignore_errors=True)
 
     table, figures = summarise(targets)
@@ -365,9 +362,8 @@ def main() -> int:
     print(table)
     print()
     print(meter.note())
-    if not args.no_save:
-        payload = {**meta, "args": vars(args), "figures": figures, "background_cpus": meter.cpus}
-        print(f"\nresults: {write_results('ttft_real_engine', payload)}")
+    payload = {**meta, "args": vars(args), "figures": figures, "background_cpus": meter.cpus}
+    report_results("ttft_real_engine", payload, save=not args.no_save)
     return 0
 
 

@@ -12,24 +12,23 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from rawhttp import RawRequest, read_request
 from routerkit import RunningRouter
 
+__all__ = [
+    "HEALTH_OK",
+    "RawBackend",
+    "RawConn",
+    "RawRequest",
+    "Script",
+    "Start",
+    "answer",
+    "dribble",
+    "ok",
+    "read_request",
+]
+
 HEALTH_OK = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
-
-
-@dataclass
-class RawRequest:
-    method: str
-    target: str
-    version: str
-    headers: list[tuple[str, str]]  # wire order, wire case
-    body: bytes
-
-    def values(self, name: str) -> list[str]:
-        return [v for n, v in self.headers if n.lower() == name.lower()]
-
-    def names(self) -> set[str]:
-        return {n.lower() for n, _ in self.headers}
 
 
 @dataclass
@@ -47,37 +46,6 @@ class RawConn:
 
 # A script answers one request on one connection and says whether the connection stays open.
 Script = Callable[[RawRequest, RawConn], Awaitable[bool]]
-
-
-async def read_request(reader: asyncio.StreamReader) -> RawRequest | None:
-    """One request from the router, or None at a clean EOF between requests."""
-    try:
-        head = await reader.readuntil(b"\r\n\r\n")
-    except asyncio.IncompleteReadError as exc:
-        if not exc.partial:
-            return None
-        raise
-    lines = head[:-4].split(b"\r\n")
-    method, target, version = lines[0].decode("latin-1").split(" ", 2)
-    headers: list[tuple[str, str]] = []
-    for line in lines[1:]:
-        name, _, value = line.partition(b":")
-        headers.append((name.decode("latin-1"), value.strip().decode("latin-1")))
-    req = RawRequest(method, target, version, headers, b"")
-    if any("chunked" in v.lower() for v in req.values("transfer-encoding")):
-        body = b""
-        while True:
-            size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
-            if size == 0:
-                while (await reader.readuntil(b"\r\n")) != b"\r\n":
-                    pass
-                break
-            body += await reader.readexactly(size)
-            await reader.readexactly(2)
-        req.body = body
-    elif req.values("content-length"):
-        req.body = await reader.readexactly(int(req.values("content-length")[0]))
-    return req
 
 
 class RawBackend:

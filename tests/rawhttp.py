@@ -1,5 +1,5 @@
-"""Raw HTTP/1.x on the wire for the listener's tests: a strict response reader (RFC 9112 §6.3 framing),
-request bytes, loopback connections."""
+"""Raw HTTP/1.x on the wire, for the tests and the benchmarks: a strict response reader (RFC 9112 §6.3
+framing), a request reader for raw backends, request bytes, loopback connections."""
 
 from __future__ import annotations
 
@@ -69,6 +69,43 @@ async def read_response(
             resp.framing = "close"
             resp.body = await reader.read()
         return resp
+
+
+@dataclass
+class RawRequest:
+    method: str
+    target: str
+    version: str
+    headers: list[tuple[str, str]]  # wire order, wire case
+    body: bytes
+
+    def values(self, name: str) -> list[str]:
+        return [v for n, v in self.headers if n.lower() == name.lower()]
+
+    def names(self) -> set[str]:
+        return {n.lower() for n, _ in self.headers}
+
+
+async def read_request(reader: asyncio.StreamReader) -> RawRequest | None:
+    """One request as a client sent it, or None at a clean EOF between requests."""
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except asyncio.IncompleteReadError as exc:
+        if not exc.partial:
+            return None
+        raise
+    lines = head[:-4].split(b"\r\n")
+    method, target, version = lines[0].decode("latin-1").split(" ", 2)
+    headers: list[tuple[str, str]] = []
+    for line in lines[1:]:
+        name, _, value = line.partition(b":")
+        headers.append((name.decode("latin-1"), value.strip().decode("latin-1")))
+    req = RawRequest(method, target, version, headers, b"")
+    if any("chunked" in v.lower() for v in req.values("transfer-encoding")):
+        req.body = await _read_chunked(reader)
+    elif req.values("content-length"):
+        req.body = await reader.readexactly(int(req.values("content-length")[0]))
+    return req
 
 
 async def _read_chunked(reader: asyncio.StreamReader) -> bytes:

@@ -1,4 +1,5 @@
-"""A real `redis-server` on a 127.0.0.1 ephemeral port, for the shared placement state tests.
+"""A real `redis-server` on a 127.0.0.1 ephemeral port, for the shared placement state tests and the
+benchmarks that use one.
 
 Skipped with a reason when the binary is missing, except under CI (CI=true), where that fails:
 .ci/run installs it.
@@ -11,12 +12,14 @@ import shutil
 import socket
 import subprocess
 import tempfile
-import time
 
-import pytest
+from loopback import free_port, wait_until
+from processes import stop_process
 
 
 def redis_binary() -> str:
+    import pytest  # here, not at the top: the benchmarks start a RedisServer without pytest
+
     found = shutil.which("redis-server")
     if found is None:
         if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
@@ -25,18 +28,12 @@ def redis_binary() -> str:
     return found
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 class RedisServer:
     """One redis-server process; `kill()` ends it, `start()` brings a new one up on the same port."""
 
     def __init__(self, binary: str, port: int | None = None) -> None:
         self.binary = binary
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.process: subprocess.Popen[bytes] | None = None
         self._dir = tempfile.TemporaryDirectory(prefix="prefix-router-redis-")
 
@@ -54,16 +51,15 @@ class RedisServer:
             "--dir", self._dir.name,
             "--protected-mode", "yes",
         ]  # fmt: skip
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                err = self.process.stderr.read().decode() if self.process.stderr else ""
+        process = self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+        def answers() -> bool:
+            if process.poll() is not None:
+                err = process.stderr.read().decode() if process.stderr else ""
                 raise RuntimeError(f"redis-server exited: {err}")
-            if self._answers():
-                return
-            time.sleep(0.02)
-        raise RuntimeError("redis-server did not answer in time")
+            return self._answers()
+
+        wait_until(answers, timeout_s, "redis-server answering PING", 0.02)
 
     def _answers(self) -> bool:
         try:
@@ -75,13 +71,8 @@ class RedisServer:
 
     def kill(self) -> None:
         """Terminate the server process and wait for it."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
+        if self.process is not None:
+            stop_process(self.process)
         if self.process is not None and self.process.stderr is not None:
             self.process.stderr.close()
         self.process = None

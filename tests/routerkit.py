@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
-from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
 from prefix_router.router import RouterApp, create_app
@@ -13,15 +12,27 @@ from prefix_router.runtime import RouterServer, SideServer, side_config
 from prefix_router.settings import Settings, load_settings
 
 from fakebackend import FakeBackend
+from loopback import eventually, free_socket
+
+__all__ = [
+    "RunningRouter",
+    "eventually",
+    "free_socket",
+    "router_settings",
+    "start_router",
+    "start_side_app",
+]
 
 
-def free_socket() -> socket.socket:
-    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted sockets only when the listener's proto
-    # says TCP; without it every kept-alive request through a test router waits ~40 ms (Nagle).
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    return sock
+async def _started(server: RouterServer | SideServer, task: asyncio.Task[Any], what: str) -> None:
+    """Until the server says it listens; a server task that fails first raises its error."""
+
+    def started() -> bool:
+        if task.done():
+            task.result()
+        return server.started
+
+    await eventually(started, 5.0, f"{what} started")
 
 
 class RunningRouter:
@@ -45,7 +56,7 @@ class RunningRouter:
             await asyncio.wait_for(self.task, 10)
 
 
-def router_settings(backends: list[FakeBackend] | list[str], **sections: dict[str, Any]) -> Settings:
+def router_settings(backends: Sequence[FakeBackend] | Sequence[str], **sections: dict[str, Any]) -> Settings:
     urls = [b if isinstance(b, str) else b.url for b in backends]
     overrides: dict[str, Any] = {"backends": [{"url": u} for u in urls]}
     # Tests drive health themselves; a slow prober keeps runs deterministic unless a test asks. Nor
@@ -65,25 +76,8 @@ async def start_router(settings: Settings) -> RunningRouter:
     port = sock.getsockname()[1]
     server = RouterServer(app, [sock])
     task = asyncio.get_running_loop().create_task(server.serve())
-    for _ in range(500):
-        if server.started:
-            break
-        if task.done():
-            task.result()
-        await asyncio.sleep(0.01)
-    else:
-        raise RuntimeError("router did not start")
+    await _started(server, task, "router")
     return RunningRouter(app, server, task, port)
-
-
-async def eventually(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    """Poll until predicate() holds, failing after a generous bound (no timing asserted)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not predicate():
-        if loop.time() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.01)
 
 
 async def start_side_app(asgi: object, settings: Settings) -> tuple[SideServer, asyncio.Task[None], int]:
@@ -92,8 +86,5 @@ async def start_side_app(asgi: object, settings: Settings) -> tuple[SideServer, 
     port = sock.getsockname()[1]
     server = SideServer(side_config(asgi, settings.server, "127.0.0.1", port))
     task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
-    for _ in range(500):
-        if server.started:
-            return server, task, port
-        await asyncio.sleep(0.01)
-    raise RuntimeError("side app did not start")
+    await _started(server, task, "side app")
+    return server, task, port

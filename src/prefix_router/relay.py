@@ -289,6 +289,11 @@ class Proxy:
                 ex.start(resp.status, headers)
                 ex.write(data)
             else:
+                broken = resp.broken
+                if broken is not None:
+                    # Nothing has reached the client: it gets the 502 rather than an empty close.
+                    self._metrics.upstream_errors.labels(backend, broken.kind).inc()
+                    raise broken
                 ex.start(resp.status, headers)
                 ex.flow = resp
                 if ex.writing_paused:

@@ -10,10 +10,11 @@ import asyncio
 from collections import deque
 
 
-def wake_first(waiters: deque[asyncio.Future[None]]) -> None:
-    """Wake the first waiter still waiting (the others before it gave up)."""
+def wake_first(waiters: deque[asyncio.Future[None]]) -> bool:
+    """Wake the first waiter still waiting (the others before it gave up); whether there was one."""
     while waiters:
         fut = waiters.popleft()
         if not fut.done():
             fut.set_result(None)
-            return
+            return True
+    return False

@@ -3,7 +3,6 @@ line by line while it runs, Ctrl-C sent to it, and a port held busy."""
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import socket
@@ -15,14 +14,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from queue import Empty, Queue
 
+from processes import clean_env
+
+__all__ = ["CLI", "Running", "busy_port", "clean_env", "run_cli", "running"]
+
 CLI = [sys.executable, "-m", "prefix_router"]
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    """This process's environment without PREFIX_ROUTER_* variables, plus `extra`."""
-    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("PREFIX_ROUTER_")}
-    env.update(extra)
-    return env
 
 
 def run_cli(

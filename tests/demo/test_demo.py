@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,13 +14,9 @@ from queue import Empty, Queue
 
 import openai
 
+from loopback import free_port
+
 DEMO = [sys.executable, "-m", "prefix_router", "demo"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def clean_env() -> dict[str, str]:
@@ -37,7 +32,12 @@ def test_demo_serves_until_sigint() -> None:
     lines: Queue[str] = Queue()
     assert proc.stdout is not None
     stdout = proc.stdout
-    threading.Thread(target=lambda: [lines.put(line) for line in stdout], daemon=True).start()
+
+    def pump() -> None:
+        for line in stdout:
+            lines.put(line)
+
+    threading.Thread(target=pump, daemon=True).start()
     try:
         base_url = None
         deadline = time.monotonic() + 30

@@ -279,6 +279,7 @@ def test_grace_period_outlasts_prestop_and_drain(
     assert pod["terminationGracePeriodSeconds"] >= math.ceil(pre_stop_s + drain_s) + 1
     lifecycle = container(manifests).get("lifecycle")
     if pre_stop_s:
+        assert lifecycle is not None
         command = lifecycle["preStop"]["exec"]["command"]
         assert command == ["python", "-c", f"import time; time.sleep({pre_stop_s})"]
     else:

@@ -27,7 +27,10 @@ from prefix_router.settings import Settings, load_settings
 # Fields the chart refuses under `config` (a ConfigMap): they come from a Secret through the environment.
 SECRET_FIELDS = {("server", "admin_token"), ("routing", "cache_salt_secret")}
 # Where the chart is deliberately stricter than the router: a pod's ports must be fixed, not ephemeral.
-TIGHTER = {("server", "port"): {"minimum": 1}, ("server", "metrics_port"): {"minimum": 1}}
+TIGHTER: dict[tuple[str, str], dict[str, Any]] = {
+    ("server", "port"): {"minimum": 1},
+    ("server", "metrics_port"): {"minimum": 1},
+}
 TIGHTER[("server", "admin_port")] = {"minimum": 1}
 # The same rule as the router's validator, at install time.
 TIGHTER[("routing", "shared_state_url")] = {"pattern": "^(|(redis|rediss|unix)://.*)$"}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, cast
 
@@ -85,16 +85,8 @@ class AppliedSets:
         self.models = {spec.url: spec.models for spec in specs if spec.models}
 
     @property
-    def last(self) -> frozenset[str] | None:
-        return self.calls[-1] if self.calls else None
-
-
-async def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.01)
+    def last(self) -> set[str] | None:
+        return set(self.calls[-1]) if self.calls else None
 
 
 @asynccontextmanager

@@ -16,12 +16,13 @@ from discovery_fakes import (
     FakeEndpointSliceApi,
     endpoint,
     endpoint_slice,
-    wait_until,
 )
 
 from prefix_router.fleet.backends import BackendSet, BackendSpec, HealthPolicy, HealthState
 from prefix_router.fleet.discovery import DnsDiscovery, build_discovery
 from prefix_router.settings import DiscoveryMode, DiscoverySettings
+
+from loopback import eventually
 
 KEY_COUNT = 20_000
 MOVE_TOLERANCE = 1.2  # moved share may be at most this multiple of the ideal
@@ -46,13 +47,13 @@ async def test_dns_membership_changes_rebuild_the_ring_and_move_few_keys(dns_ser
     keys = key_hashes()
     task = asyncio.create_task(discovery.run(backend_set.replace_members))
     try:
-        await wait_until(lambda: len(backend_set.ring) == 8)
+        await eventually(lambda: len(backend_set.ring) == 8)
         before = owners(backend_set, keys)
         ring_before = backend_set.ring
 
         # Add one of N+1: about 1/(N+1) of the keys move, and every one of them onto the new backend.
         dns_server.records = {"A": [*fleet, "192.0.2.9"], "AAAA": []}
-        await wait_until(lambda: len(backend_set.ring) == 9)
+        await eventually(lambda: len(backend_set.ring) == 9)
         assert backend_set.ring is not ring_before, "membership change must build a new ring"
         after_add = owners(backend_set, keys)
         moved = [(old, new) for old, new in zip(before, after_add, strict=True) if old != new]
@@ -63,7 +64,7 @@ async def test_dns_membership_changes_rebuild_the_ring_and_move_few_keys(dns_ser
         # Remove one of N: exactly its keys move, about 1/N of them, spread over the others.
         removed = "http://192.0.2.1:8000"
         dns_server.records = {"A": [*fleet[1:], "192.0.2.9"], "AAAA": []}
-        await wait_until(lambda: removed not in backend_set.ring.members)
+        await eventually(lambda: removed not in backend_set.ring.members)
         assert len(backend_set.ring) == 8
         after_remove = owners(backend_set, keys)
         moved_keys = [i for i in range(KEY_COUNT) if after_add[i] != after_remove[i]]
@@ -93,13 +94,13 @@ async def test_terminating_pod_drains_in_the_backend_set(k8s_api: FakeEndpointSl
     leaving = "http://192.0.2.2:8000"
     task = asyncio.create_task(discovery.run(backend_set.replace_members))
     try:
-        await wait_until(lambda: set(backend_set.ring.members) == {"http://192.0.2.1:8000", leaving})
+        await eventually(lambda: set(backend_set.ring.members) == {"http://192.0.2.1:8000", leaving})
         assert backend_set.get("http://127.0.0.1:8000") is None, "the static seed is replaced"
         lease = backend_set.load.acquire(leaving)  # a request still streaming from the pod
 
         shutting_down = endpoint("192.0.2.2", terminating=True)
         k8s_api.upsert(endpoint_slice("vllm-a", [endpoint("192.0.2.1"), shutting_down]))
-        await wait_until(lambda: leaving not in backend_set.candidates.members)
+        await eventually(lambda: leaving not in backend_set.candidates.members)
         draining = backend_set.get(leaving)
         assert draining is not None and draining.state is HealthState.DRAINING
         assert leaving in backend_set.ring.members, "on the ring, skipped, until its last request ends"

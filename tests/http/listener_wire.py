@@ -65,6 +65,8 @@ def parse_answers(raw: bytes, out: Outcome) -> None:
     collector.parser = parser
     try:
         parser.feed_data(raw)
+    except httptools.HttpParserUpgrade:
+        pass  # a 101 (relayed from a backend): what follows is not HTTP/1.1
     except httptools.HttpParserError:
         out.malformed = True
 

@@ -17,9 +17,9 @@ import openai
 import pytest
 
 from prefix_router.settings import Settings, load_settings
-from rawhttp import closed_by_peer, connection, read_response, request
 
 from fakebackend import FakeBackend
+from rawhttp import closed_by_peer, connection, read_response, request
 from routerkit import RunningRouter, router_settings
 
 MakeBackends = Callable[..., Awaitable[list[FakeBackend]]]
@@ -417,7 +417,7 @@ async def test_a_pooled_connection_idle_6_s_then_reused_is_answered(
             assert second.status_code == 200
             return str(json.loads(second.content)["path"])
 
-    assert await asyncio.gather(raw_connection(), pooled_client()) == ["/two", "/four"]
+    assert list(await asyncio.gather(raw_connection(), pooled_client())) == ["/two", "/four"]
 
 
 async def test_answers_before_a_close_survive_requests_pipelined_after_it(

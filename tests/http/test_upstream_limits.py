@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from prefix_router.upstream.pool import MAX_HEAD_BYTES
+from prefix_router.upstream.http1 import MAX_HEAD_BYTES
 
 from rawbackend import RawConn, RawRequest, Script, Start, dribble, ok
 from routerkit import RunningRouter

@@ -29,6 +29,7 @@ import yaml
 from prefix_router.sim.config import SimConfig
 from prefix_router.sim.fleet import SimFleet
 
+from loopback import eventually, free_port
 from routerkit import RunningRouter, free_socket, router_settings, start_router
 
 DASHBOARD = Path(__file__).parents[2] / "helm" / "prefix-router" / "dashboards" / "prefix-router.json"
@@ -48,13 +49,6 @@ def binary(name: str) -> str:
             pytest.fail(f"{reason}; CI must run this test")
         pytest.skip(reason)
     return found
-
-
-def free_port() -> int:
-    sock = free_socket()
-    port: int = sock.getsockname()[1]
-    sock.close()
-    return port
 
 
 def dashboard_queries() -> list[tuple[str, str]]:
@@ -144,20 +138,18 @@ async def start_prometheus(
         stderr=subprocess.STDOUT,
     )
     prom = Prometheus(f"http://127.0.0.1:{port}", client)
+
+    async def scraping() -> bool:
+        if proc.returncode is not None:
+            raise AssertionError(f"prometheus exited: {(tmp_path / 'prometheus.log').read_text()}")
+        try:
+            ready = (await client.get(f"{prom.url}/-/ready")).status_code == 200
+            return ready and await prom.targets_up(1 + len(sims))
+        except httpx.TransportError:
+            return False
+
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            if proc.returncode is not None:
-                raise AssertionError(f"prometheus exited: {(tmp_path / 'prometheus.log').read_text()}")
-            try:
-                if (await client.get(f"{prom.url}/-/ready")).status_code == 200 and await prom.targets_up(
-                    1 + len(sims)
-                ):
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "prometheus did not scrape every target in 30 s"
-            await asyncio.sleep(0.2)
+        await eventually(scraping, 30, "prometheus scraping every target", 0.2)
         yield prom
     finally:
         if proc.returncode is None:

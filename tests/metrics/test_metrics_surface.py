@@ -218,7 +218,7 @@ async def test_capacity_waits_are_observed(fake_backends, router, client) -> Non
     assert (await held).status_code == 200 and (await queued).status_code == 200
     got = await scrape(client, r)
     assert value(got, "prefix_router_wait_seconds_count", reason="capacity") == 1.0
-    assert value(got, "prefix_router_wait_seconds_sum", reason="capacity") >= 0.04
+    assert (value(got, "prefix_router_wait_seconds_sum", reason="capacity") or 0.0) >= 0.04
     assert value(got, "prefix_router_wait_seconds_count", reason="prefill") == 0.0
 
 

@@ -8,6 +8,7 @@ import json
 
 import aiohttp
 
+from fakebackend import Close, Hang, Reply
 from routerkit import eventually, free_socket, router_settings
 
 CHAT = "/v1/chat/completions"
@@ -40,7 +41,7 @@ async def test_dead_backend_fails_over_to_next_in_walk(fake_backends, router, cl
 async def test_503_before_first_byte_moves_to_next_backend(fake_backends, router, client) -> None:
     backends = await fake_backends(2)
     r = await router(router_settings(backends))
-    backends[0].mode = "status:503"
+    backends[0].script = Reply(503)
     for i in range(10):
         resp = await client.post(f"{r.url}{CHAT}", json=body(f"p{i}"))
         assert resp.status_code == 200
@@ -48,7 +49,7 @@ async def test_503_before_first_byte_moves_to_next_backend(fake_backends, router
 
 
 async def test_all_backends_503_passes_the_last_answer_through(fake_backends, router, client) -> None:
-    backends = await fake_backends(2, mode="status:503")
+    backends = await fake_backends(2, script=Reply(503))
     r = await router(router_settings(backends))
     resp = await client.post(f"{r.url}{CHAT}", json=body("p"))
     assert resp.status_code == 503
@@ -121,7 +122,7 @@ def test_every_error_code_is_a_closed_metric_label() -> None:
 
 
 async def test_backend_closing_without_answer_is_502(fake_backends, router, client) -> None:
-    backends = await fake_backends(1, mode="close")
+    backends = await fake_backends(1, script=Close())
     r = await router(router_settings(backends))
     resp = await client.post(f"{r.url}{CHAT}", json=body("p"))
     assert resp.status_code == 502
@@ -129,7 +130,7 @@ async def test_backend_closing_without_answer_is_502(fake_backends, router, clie
 
 
 async def test_first_byte_timeout_is_504(fake_backends, router, client) -> None:
-    backends = await fake_backends(1, mode="hang")
+    backends = await fake_backends(1, script=Hang())
     r = await router(router_settings(backends, upstream={"first_byte_timeout_s": 0.3}))
     resp = await client.post(f"{r.url}{CHAT}", json=body("p"))
     assert resp.status_code == 504

@@ -20,9 +20,9 @@ import pytest
 from aiohttp import web
 
 from prefix_router.settings import Settings
-from rawhttp import closed_by_peer, connection, read_response, request
 
-from fakebackend import FakeBackend
+from fakebackend import Echo, FakeBackend, Reply
+from rawhttp import closed_by_peer, connection, read_response, request
 from routerkit import RunningRouter, free_socket, router_settings
 
 MakeBackends = Callable[..., Awaitable[list[FakeBackend]]]
@@ -59,10 +59,10 @@ async def test_keep_alive_serves_many_requests_on_one_connection_in_order(
         # A local route and an answer the backend gives as an error share the connection too.
         writer.write(request("GET", "/healthz"))
         assert (await read_response(reader)).json() == {"status": "ok"}
-        backends[0].mode = backends[1].mode = "status:429"
+        backends[0].script = backends[1].script = Reply(429)
         writer.write(request("POST", CHAT, chat("x")))
         assert (await read_response(reader)).status == 429
-        backends[0].mode = backends[1].mode = "echo"
+        backends[0].script = backends[1].script = Echo()
         writer.write(request("GET", "/after-error"))
         resp = await read_response(reader)
         assert resp.status == 200 and resp.json()["path"] == "/after-error"

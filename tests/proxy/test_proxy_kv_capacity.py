@@ -3,7 +3,6 @@ and owner ageing use it."""
 
 from __future__ import annotations
 
-import socket
 from collections.abc import AsyncIterator
 
 import pytest
@@ -11,7 +10,7 @@ from aiohttp import web
 
 from prefix_router.fleet.kv_capacity import parse_kv_capacity_tokens
 
-from routerkit import eventually, router_settings
+from routerkit import eventually, free_socket, router_settings
 
 # The line as vLLM 0.x prints it (one engine), and what a data-parallel server adds.
 VLLM_INFO = (
@@ -65,8 +64,7 @@ async def vllm_like() -> AsyncIterator[list[str]]:
     for blocks in (100, 300, None):
         runner = web.AppRunner(_vllm_like(blocks))
         await runner.setup()
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
+        sock = free_socket()
         site = web.SockSite(runner, sock)
         await site.start()
         runners.append(runner)

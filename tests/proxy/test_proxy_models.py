@@ -20,7 +20,7 @@ from prefix_router.sim.fleet import SimBackend
 from fakebackend import FakeBackend
 from routerkit import RunningRouter, eventually, router_settings, start_router
 
-FAST = {"overhead_ms": 0.0, "prefill_ms_per_token": 0.0, "itl_ms": 0.0}
+FAST: dict[str, Any] = {"overhead_ms": 0.0, "prefill_ms_per_token": 0.0, "itl_ms": 0.0}
 LLAMA, OTHER, LORA = "sim-llama", "other-llama", "sql-lora"
 CHAT = "/v1/chat/completions"
 

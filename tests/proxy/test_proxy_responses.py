@@ -9,6 +9,7 @@ import orjson
 
 from prefix_router.routing.response_ids import backend_tag, encode_id
 
+from fakebackend import Reply
 from routerkit import router_settings
 
 ORIGINAL = "resp_0123456789abcdef0123456789abcdef"
@@ -49,7 +50,7 @@ async def test_previous_response_id_is_restored_in_the_body(
 async def test_a_failing_storing_backend_is_not_replaced_by_one_that_cannot_answer(
     fake_backends: Any, router: Any, client: Any
 ) -> None:
-    (busy,) = await fake_backends(1, mode="status:503")
+    (busy,) = await fake_backends(1, script=Reply(503))
     others = await fake_backends(2)
     r = await router(router_settings([busy, *others]))
     client_id = encode_id(ORIGINAL, backend_tag(busy.url))

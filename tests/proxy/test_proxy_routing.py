@@ -191,7 +191,7 @@ async def test_multi_turn_conversation_follows_its_history(fake_backends, router
 async def test_round_robin_policy_cycles(fake_backends, router, client) -> None:
     backends = await fake_backends(3)
     r = await router(router_settings(backends, balancing={"policy": "round_robin"}))
-    got = Counter()
+    got: Counter[str] = Counter()
     for _ in range(9):
         resp = await client.post(f"{r.url}{CHAT}", json=chat("same"))
         got[resp.headers["x-prefix-router-backend"]] += 1
@@ -200,6 +200,7 @@ async def test_round_robin_policy_cycles(fake_backends, router, client) -> None:
 
 async def test_openai_sdk_chat_and_stream_through_router(fake_backends, router) -> None:
     import openai
+    from openai.types.chat import ChatCompletionMessageParam
 
     from prefix_router.sim.config import SimConfig
     from prefix_router.sim.fleet import SimFleet
@@ -207,12 +208,17 @@ async def test_openai_sdk_chat_and_stream_through_router(fake_backends, router) 
     async with SimFleet(SimConfig(overhead_ms=1, prefill_ms_per_token=0.001, itl_ms=1), count=2) as fleet:
         r = await router(router_settings(fleet.urls))
         async with openai.AsyncOpenAI(base_url=f"{r.url}/v1", api_key="unused", max_retries=0) as sdk:
-            messages = [{"role": "system", "content": "be brief " * 50}, {"role": "user", "content": "hello"}]
+            messages: list[ChatCompletionMessageParam] = [
+                {"role": "system", "content": "be brief " * 50},
+                {"role": "user", "content": "hello"},
+            ]
             first = await sdk.chat.completions.create(model="sim-llama", messages=messages, max_tokens=4)
             assert first.choices[0].message.content
             again = await sdk.chat.completions.create(model="sim-llama", messages=messages, max_tokens=4)
             assert again.usage is not None and again.usage.prompt_tokens_details is not None
-            assert again.usage.prompt_tokens_details.cached_tokens > 0, "the repeat must hit the same cache"
+            assert (again.usage.prompt_tokens_details.cached_tokens or 0) > 0, (
+                "the repeat must hit the same cache"
+            )
             stream = await sdk.chat.completions.create(
                 model="sim-llama", messages=messages, max_tokens=5, stream=True
             )

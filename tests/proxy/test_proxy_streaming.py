@@ -7,6 +7,7 @@ import time
 
 import aiohttp
 
+from fakebackend import Hang
 from routerkit import eventually, router_settings
 
 
@@ -44,7 +45,7 @@ async def test_client_disconnect_mid_stream_closes_upstream_and_releases_lease(f
 
 
 async def test_client_disconnect_before_headers_cancels_upstream(fake_backends, router) -> None:
-    backends = await fake_backends(1, mode="hang")
+    backends = await fake_backends(1, script=Hang())
     r = await router(router_settings(backends))
     async with aiohttp.ClientSession() as s:
         task = asyncio.create_task(s.post(f"{r.url}/v1/completions", json={"prompt": "x"}))

@@ -8,9 +8,11 @@ import hmac
 import json
 import logging
 import socket
+from typing import cast
 
 import pytest
 
+from fakebackend import Close, Reply
 from routerkit import router_settings
 
 
@@ -92,7 +94,7 @@ async def test_router_keeps_serving_after_hostile_input(fake_backends, router, c
     backends = await fake_backends(1)
     r = await router(router_settings(backends, server={"header_timeout_s": 0.3}))
     for p in SMUGGLING:
-        await raw_exchange(r.port, p.values[0])
+        await raw_exchange(r.port, cast(bytes, p.values[0]))
     await raw_exchange(r.port, b"GET /x HTTP/1.1\r\n")
     assert (await client.get(f"{r.url}/v1/models")).status_code == 200
 
@@ -162,11 +164,11 @@ async def test_secrets_appear_in_no_log_metric_or_error(fake_backends, router, c
     for body in (b'{"messages": []}', b"x" * 5000, b"{bad"):
         resp = await client.post(f"{r.url}/v1/chat/completions", content=body, headers=headers)
         bodies.append(resp.text if resp.status_code >= 400 and "backend" not in resp.text else "")
-    backends[0].mode = "close"
+    backends[0].script = Close()
     resp = await client.post(f"{r.url}/v1/chat/completions", content=b"{}", headers=headers)
     assert resp.status_code == 502
     bodies.append(resp.text)
-    backends[0].mode = "status:503"
+    backends[0].script = Reply(503)
     resp = await client.post(f"{r.url}/v1/chat/completions", content=b"{}", headers=headers)
     metrics = (await client.get(f"{r.url}/metrics")).text
     for text in [*bodies, metrics, caplog.text]:

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import sys
 from collections import Counter
 
 import aiohttp
 import httpx
 
-from routerkit import eventually, free_socket, router_settings, start_side_app
+from fakebackend import Reply
+from loopback import free_port
+from processes import clean_env, launch_router
+from routerkit import eventually, router_settings, start_side_app
 
 CHAT = "/v1/chat/completions"
 
@@ -115,7 +116,7 @@ async def test_shared_fault_never_ejects_the_whole_fleet(fake_backends, router, 
 
 
 async def test_retry_budget_bounds_amplification(fake_backends, router) -> None:
-    backends = await fake_backends(3, mode="status:503")
+    backends = await fake_backends(3, script=Reply(503))
     r = await router(router_settings(backends, upstream={"retry_budget_ratio": 0.0, "retry_budget_min": 1}))
     async with aiohttp.ClientSession() as s:
 
@@ -156,41 +157,21 @@ async def test_hot_prefix_at_10x_capacity_keeps_every_backend_within_bound(fake_
     assert max(b.peak_active for b in backends) <= 3
 
 
-async def _wait_port(port: int, timeout_s: float = 20) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while True:
-        try:
-            _, w = await asyncio.open_connection("127.0.0.1", port)
-            w.close()
-            return
-        except OSError:
-            if loop.time() > deadline:
-                raise
-            await asyncio.sleep(0.05)
-
-
-async def test_sigterm_fails_readyz_stops_accepting_and_finishes_streams(fake_backends) -> None:
+async def test_sigterm_fails_readyz_stops_accepting_and_finishes_streams(fake_backends, tmp_path) -> None:
     backends = await fake_backends(1, chunk_delay_s=0.1)
-    sock, msock = free_socket(), free_socket()
-    port, mport = sock.getsockname()[1], msock.getsockname()[1]
-    sock.close()
-    msock.close()
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "prefix_router", "serve", "--backend", backends[0].url,
-        "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(mport),
-        env={**os.environ, "PREFIX_ROUTER_SERVER__DRAIN_TIMEOUT_S": "20"},
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-    )  # fmt: skip
+    env = clean_env(PREFIX_ROUTER_SERVER__DRAIN_TIMEOUT_S="20")
+    router = launch_router(
+        ["--backend", backends[0].url], tmp_path / "router.log", env=env, metrics_port=free_port()
+    )
+    port, mport = router.port, router.metrics_port
     try:
-        await _wait_port(port)
-        await _wait_port(mport)
+        await router.ready(timeout_s=20)
         async with aiohttp.ClientSession() as s:
             assert (await s.get(f"http://127.0.0.1:{mport}/readyz")).status == 200
             streams = [await s.get(f"http://127.0.0.1:{port}/stream?n=20&i={i}") for i in range(3)]
             for resp in streams:
                 await resp.content.readuntil(b"\n\n")
-            proc.send_signal(signal.SIGTERM)
+            router.proc.send_signal(signal.SIGTERM)
             await asyncio.sleep(0.3)
             ready = await s.get(f"http://127.0.0.1:{mport}/readyz")
             assert ready.status == 503, "readiness fails at once"
@@ -205,8 +186,6 @@ async def test_sigterm_fails_readyz_stops_accepting_and_finishes_streams(fake_ba
         for body in bodies:
             assert body.rstrip().endswith(b"data: [DONE]"), "no stream is cut inside the drain window"
             assert Counter(body.split(b"\n\n"))[b""] <= 1
-        assert await asyncio.wait_for(proc.wait(), 20) == 0
+        assert await asyncio.to_thread(router.proc.wait, 20) == 0
     finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        router.stop()

@@ -33,8 +33,5 @@ async def test_ready_after_the_first_probe_passes(fake_backends, router, client)
     async def ready() -> bool:
         return (await client.get(f"{r.url}/readyz")).status_code == 200
 
-    for _ in range(500):
-        if await ready():
-            break
-    assert await ready()
+    await eventually(ready)
     assert (await client.get(f"{r.url}/readyz")).json() == {"status": "ready"}

@@ -7,13 +7,14 @@ import socket
 
 import aiohttp
 
+from fakebackend import Reset
 from routerkit import eventually, router_settings
 
 
 async def test_reset_after_first_byte_ends_the_client_stream_abnormally_never_retried(
     fake_backends, router
 ) -> None:
-    backends = await fake_backends(2, mode="reset_after:3")
+    backends = await fake_backends(2, script=Reset(after_chunks=3))
     r = await router(router_settings(backends))
     async with aiohttp.ClientSession() as s, s.get(f"{r.url}/stream?n=10") as resp:
         assert resp.status == 200

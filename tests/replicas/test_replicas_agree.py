@@ -11,18 +11,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
-import socket
 from typing import Any
 
 import aiohttp
 import orjson
-import pytest
 
 from prefix_router.router import RouterApp, create_app
 from prefix_router.routing.keys import RoutingKey, extract_key
 from prefix_router.routing.picker import Branch
 
-import routerkit
 from routerkit import router_settings
 
 CHAT = "/v1/chat/completions"
@@ -36,16 +33,6 @@ def _orders(urls: list[str]) -> list[list[str]]:
     if shuffled in (urls, urls[::-1]):
         shuffled = urls[1:] + urls[:1]
     return [list(urls), urls[::-1], shuffled]
-
-
-def tcp_socket() -> socket.socket:
-    """routerkit.free_socket with the protocol named: asyncio sets TCP_NODELAY on accepted sockets only
-    when the listener's proto is IPPROTO_TCP, and without it every kept-alive request waits ~40 ms for
-    a delayed ACK."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    return sock
 
 
 def _body(i: int, *, model: str = "m") -> bytes:
@@ -116,10 +103,7 @@ def test_pickers_agree_after_learning_their_own_placements() -> None:
     assert disagreements == 0
 
 
-async def test_three_routers_send_the_same_keys_to_the_same_backends(
-    fake_backends: Any, router: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(routerkit, "free_socket", tcp_socket)
+async def test_three_routers_send_the_same_keys_to_the_same_backends(fake_backends: Any, router: Any) -> None:
     backends = await fake_backends(4)
     urls = [b.url for b in backends]
     # The bounded-load c and max_inflight are set out of reach, so no request can overflow: what is

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -22,8 +21,7 @@ from prefix_router.routing.keys import extract_key
 from prefix_router.sim.config import SimConfig
 from prefix_router.sim.fleet import SimBackend
 
-import routerkit
-from routerkit import RunningRouter, eventually, router_settings
+from routerkit import RunningRouter, eventually, free_socket, router_settings
 
 CHAT = "/v1/chat/completions"
 BACKEND_HEADER = "x-prefix-router-backend"
@@ -119,14 +117,6 @@ def test_parse_vllm_load_with_timestamps() -> None:
     assert parse_vllm_load(page) == 4.0
 
 
-def tcp_socket() -> socket.socket:
-    """routerkit.free_socket with IPPROTO_TCP named, so asyncio sets TCP_NODELAY on accepted sockets."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    return sock
-
-
 # -- end to end on simulated backends ------------------------------------------------------------------
 
 HELD_TOKENS = 4000  # at itl 10 ms, a 40 s stream: held for the whole test, closed by the client
@@ -212,10 +202,7 @@ N_OURS = 5
 
 
 @pytest.mark.parametrize("signal", [True, False], ids=["signal-on", "signal-off"])
-async def test_router_sees_another_clients_load(
-    router: Any, monkeypatch: pytest.MonkeyPatch, signal: bool
-) -> None:
-    monkeypatch.setattr(routerkit, "free_socket", tcp_socket)
+async def test_router_sees_another_clients_load(router: Any, signal: bool) -> None:
     held: list[Any] = []
     connector = aiohttp.TCPConnector(limit=64)
     async with sim_pair() as sims, aiohttp.ClientSession(connector=connector) as session:
@@ -280,7 +267,7 @@ class MetricsBackend:
         app.router.add_route("*", "/{tail:.*}", self._held)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
-        sock = tcp_socket()
+        sock = free_socket()
         site = web.SockSite(self._runner, sock)
         await site.start()
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -312,10 +299,7 @@ def page(running: int, waiting: int) -> bytes:
     ).encode()
 
 
-async def test_a_failed_scrape_falls_back_to_local_counts(
-    router: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(routerkit, "free_socket", tcp_socket)
+async def test_a_failed_scrape_falls_back_to_local_counts(router: Any) -> None:
     backend = MetricsBackend()
     await backend.start()
     tasks: list[asyncio.Task[int]] = []

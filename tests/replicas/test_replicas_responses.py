@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 import httpx
 import openai
 import orjson
+from openai.types.responses import ResponseCompletedEvent
 
 from prefix_router.fleet.backends import BackendSpec
 from prefix_router.routing.response_ids import backend_tag, decode_id
@@ -76,7 +77,7 @@ async def test_follow_ups_and_retrieves_reach_the_storing_backend_through_either
                 got = await second.responses.retrieve(streamed_id)
                 assert got.id == streamed_id and got.previous_response_id == follow.id
                 replay = [e async for e in await first.responses.retrieve(follow.id, stream=True)]
-                assert replay[-1].response.id == follow.id
+                assert isinstance(replay[-1], ResponseCompletedEvent) and replay[-1].response.id == follow.id
                 await second.responses.delete(made.id)
             except openai.NotFoundError:
                 not_found += 1

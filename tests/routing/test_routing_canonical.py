@@ -18,7 +18,7 @@ from prefix_router.routing.canonical import (
     canonicalise,
 )
 
-TEXT = st.text(alphabet=st.characters(exclude_categories=("Cs",)), max_size=12)
+TEXT = st.text(alphabet=st.characters(exclude_categories=["Cs"]), max_size=12)
 SCALARS = (
     st.none()
     | st.booleans()

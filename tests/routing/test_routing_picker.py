@@ -230,7 +230,7 @@ def test_prefix_match_prefers_the_first_holder_within_the_bound() -> None:
 def test_random_policy() -> None:
     picker = Picker(BalanceConfig(policy=Policy.RANDOM), random.Random(1))
     candidates = Candidates.of(IDS[:5])
-    chosen = Counter()
+    chosen: Counter[str] = Counter()
     for i in range(500):
         decision = picker.pick(bare_key(i), RING, candidates, LoadTracker())
         assert decision is not None

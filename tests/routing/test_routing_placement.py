@@ -18,18 +18,13 @@ from prefix_router.routing.load import LoadTracker
 from prefix_router.routing.picker import ROOM_CHOICES, Branch, Candidates, Picker
 from prefix_router.routing.ring import HashRing, Member
 
+from texts import random_text
+
 WORDS = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "mu", "nu")
 
 
 def text(seed: int, chars: int) -> str:
-    rng = random.Random(seed)
-    out: list[str] = []
-    size = 0
-    while size < chars:
-        word = rng.choice(WORDS)
-        out.append(word)
-        size += len(word) + 1
-    return " ".join(out)[:chars]
+    return random_text(random.Random(seed), chars, WORDS)
 
 
 def chat(*messages: tuple[str, str], tenant: str | None = None) -> RoutingKey:

@@ -16,6 +16,7 @@ from redis.asyncio import Redis
 from prefix_router.fleet.shared_state import NAMESPACE, SharedPlacement
 from prefix_router.routing.shared_view import ClaimAnswer, ClaimRequest, Takeover
 
+from loopback import eventually_equal
 from redisserver import RedisServer
 from routerkit import eventually
 
@@ -76,7 +77,10 @@ async def claimed(shared: SharedPlacement, request: ClaimRequest) -> ClaimAnswer
 
 
 async def owners(raw: Redis, blocks: list[int]) -> list[str | None]:
-    return list(await raw.mget([f"{NAMESPACE}o:{b}" for b in blocks]))
+    return [
+        v.decode() if isinstance(v, bytes) else v
+        for v in await raw.mget([f"{NAMESPACE}o:{b}" for b in blocks])
+    ]
 
 
 async def test_the_first_writer_wins_and_is_followed(store: Any, raw: Redis) -> None:
@@ -143,22 +147,13 @@ async def test_a_take_over_moves_the_blocks_the_claim_gave_the_owner(store: Any,
     answer = await claimed(shared, request)
     assert (answer.chosen, answer.depth) == ("X", 2)  # the router then could not use X
     shared.take_over(Takeover("X", "Y", answer.depth), request, BIG)
-    await eventually_async(lambda: owners(raw, [1, 2, 3, 4]), ["X", "X", "Y", "Y"])
+    await eventually_equal(lambda: owners(raw, [1, 2, 3, 4]), ["X", "X", "Y", "Y"])
     assert set(await raw.zrange(f"{NAMESPACE}lru:X", 0, -1)) == {"1", "2"}
     assert set(await raw.zrange(f"{NAMESPACE}lru:Y", 0, -1)) == {"1", "2", "3", "4"}
     assert int(await raw.hget(f"{NAMESPACE}used", "X") or 0) == 200
     # A backend that cannot take requests at all loses every block it owns here.
     shared.take_over(Takeover("X", "Y", 0), request, BIG)
-    await eventually_async(lambda: owners(raw, [1, 2, 3, 4]), ["Y"] * 4)
-
-
-async def eventually_async(read: Callable[[], Any], expected: Any, timeout_s: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while (got := await read()) != expected:
-        if loop.time() > deadline:
-            raise AssertionError(f"{got!r} != {expected!r}")
-        await asyncio.sleep(0.01)
+    await eventually_equal(lambda: owners(raw, [1, 2, 3, 4]), ["Y"] * 4)
 
 
 def _errors(shared: SharedPlacement, reason: str) -> float:
@@ -200,7 +195,7 @@ async def test_a_slow_store_times_out_and_the_caller_routes_locally(store: Any, 
         "local t = redis.call('TIME'); local s = t[1] + t[2] / 1e6; while true do"
         " local n = redis.call('TIME'); if n[1] + n[2] / 1e6 - s > 0.3 then break end end return 1"
     )
-    busy = asyncio.get_running_loop().create_task(raw.eval(spin, 0))
+    busy = asyncio.ensure_future(raw.eval(spin, 0))
     await asyncio.sleep(0.05)
     assert await shared.claim(claim([1], "X")) is None
     assert _errors(shared, "timeout") == 1

@@ -152,9 +152,9 @@ async def test_a_setting_the_router_does_not_know_is_unsupported_not_a_crash(rq:
     policy = rq.parse_policy_definition("future:routing.no_such_setting_yet=1")
     config = SimConfig(overhead_ms=1.0, itl_ms=0.1)
     with tempfile.TemporaryDirectory() as tmp:
-        async with SimFleet(config, count=2) as fleet, client_session() as session:
+        async with SimFleet(config, count=2) as fleet:
             with pytest.raises(rq.Unsupported, match="no_such_setting_yet"):
-                async with rq.routers(session, policy, fleet.urls, 2, Path(tmp)):
+                async with rq.routers(policy, fleet.urls, 2, Path(tmp)):
                     pytest.fail("the router started with an unknown setting")
 
 
@@ -171,20 +171,19 @@ async def test_each_layout_is_a_fresh_fleet_on_new_ports(rq: ModuleType) -> None
 async def test_the_loopback_redis_starts_and_flushes(rq: ModuleType) -> None:
     import asyncio
 
-    with tempfile.TemporaryDirectory() as tmp:
-        async with rq.redis_server(Path(tmp)) as url:
-            assert url.startswith("redis://127.0.0.1:") and url.endswith("/0")
-            host_port = url.split("//")[1].split("/")[0]
-            host, port = host_port.split(":")
-            reader, writer = await asyncio.open_connection(host, int(port))
-            writer.write(b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$1\r\nv\r\n*2\r\n$6\r\nEXISTS\r\n$1\r\nk\r\n")
-            assert await reader.readline() == b"+OK\r\n"
-            assert await reader.readline() == b":1\r\n"
-            await rq.redis_flush(url)
-            writer.write(b"*2\r\n$6\r\nEXISTS\r\n$1\r\nk\r\n")
-            assert await reader.readline() == b":0\r\n"
-            writer.close()
-            await writer.wait_closed()
+    async with rq.redis_server() as url:
+        assert url.startswith("redis://127.0.0.1:") and url.endswith("/0")
+        host_port = url.split("//")[1].split("/")[0]
+        host, port = host_port.split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$1\r\nv\r\n*2\r\n$6\r\nEXISTS\r\n$1\r\nk\r\n")
+        assert await reader.readline() == b"+OK\r\n"
+        assert await reader.readline() == b":1\r\n"
+        await rq.redis_flush(url)
+        writer.write(b"*2\r\n$6\r\nEXISTS\r\n$1\r\nk\r\n")
+        assert await reader.readline() == b":0\r\n"
+        writer.close()
+        await writer.wait_closed()
 
 
 async def test_a_layouts_routers_start_together_and_a_refusal_is_kept_for_its_run(rq: ModuleType) -> None:
@@ -194,7 +193,7 @@ async def test_a_layouts_routers_start_together_and_a_refusal_is_kept_for_its_ru
     config = SimConfig(overhead_ms=1.0, itl_ms=0.1)
     with tempfile.TemporaryDirectory() as tmp:
         async with SimFleet(config, count=2) as fleet, client_session() as session:
-            early = await rq.start_early(session, combos, fleet.urls, Path(tmp), "t", set())
+            early = await rq.start_early(combos, fleet.urls, Path(tmp), "t", set())
             try:
                 # The shared-state group is not started early: its Redis is flushed first, at its turn.
                 assert set(early) == {("ring", "1"), ("future", "2 rr")}

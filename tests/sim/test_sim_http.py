@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import aiohttp
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
 
 from prefix_router.sim.config import SimConfig
 from prefix_router.sim.fleet import SimBackend, SimFleet
+
+from loopback import eventually
 
 # Small timings keep tests fast; nothing below asserts a wall-clock bound.
 TEST_CONFIG = SimConfig(overhead_ms=1.0, prefill_ms_per_token=0.01, itl_ms=0.1)
@@ -19,15 +22,8 @@ LONG_SYSTEM_PROMPT = "You are a careful assistant who answers in plain words. " 
 
 
 @pytest.fixture
-async def backend() -> AsyncIterator[SimBackend]:
-    async with SimBackend(TEST_CONFIG) as running_backend:
-        yield running_backend
-
-
-@pytest.fixture
-async def client(backend: SimBackend) -> AsyncIterator[openai.AsyncOpenAI]:
-    async with openai.AsyncOpenAI(base_url=f"{backend.url}/v1", api_key="x", max_retries=0) as sdk_client:
-        yield sdk_client
+def sim_config() -> SimConfig:
+    return TEST_CONFIG
 
 
 @pytest.fixture
@@ -36,15 +32,7 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
         yield session
 
 
-async def wait_until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while True:
-            if condition():
-                return
-            await asyncio.sleep(0.005)
-
-
-def chat_messages(question: str) -> list[dict[str, str]]:
+def chat_messages(question: str) -> list[ChatCompletionMessageParam]:
     return [{"role": "system", "content": LONG_SYSTEM_PROMPT}, {"role": "user", "content": question}]
 
 
@@ -317,7 +305,7 @@ async def test_a_client_disconnect_mid_stream_frees_the_slot(http: aiohttp.Clien
         assert (await response.content.readline()).startswith(b"data: ")
         assert scheduler.num_running == 1
         response.close()  # drops the connection
-        await wait_until(lambda: scheduler.num_running == 0)
+        await eventually(lambda: scheduler.num_running == 0)
         assert scheduler.counters.requests_aborted == 1
         assert scheduler.kv_cache_usage == 0.0
 
@@ -337,12 +325,12 @@ async def test_a_client_disconnect_while_waiting_leaves_the_queue(http: aiohttp.
                 await response.read()
 
         queued = asyncio.create_task(wait_in_queue())
-        await wait_until(lambda: scheduler.num_waiting == 1)
+        await eventually(lambda: scheduler.num_waiting == 1)
         queued.cancel()  # closes its connection
-        await wait_until(lambda: scheduler.num_waiting == 0)
+        await eventually(lambda: scheduler.num_waiting == 0)
         assert scheduler.num_running == 1
         busy.close()
-        await wait_until(lambda: scheduler.num_running == 0)
+        await eventually(lambda: scheduler.num_running == 0)
         assert scheduler.counters.requests_finished == 0
 
 

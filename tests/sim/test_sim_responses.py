@@ -3,11 +3,10 @@ official OpenAI client and raw HTTP."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import aiohttp
 import openai
 import pytest
+from openai.types.responses import ResponseCompletedEvent
 
 from prefix_router.sim.config import SimConfig
 from prefix_router.sim.fleet import SimBackend
@@ -16,15 +15,8 @@ CONFIG = SimConfig(overhead_ms=1.0, prefill_ms_per_token=0.01, itl_ms=0.1, adapt
 
 
 @pytest.fixture
-async def backend() -> AsyncIterator[SimBackend]:
-    async with SimBackend(CONFIG) as running:
-        yield running
-
-
-@pytest.fixture
-async def client(backend: SimBackend) -> AsyncIterator[openai.AsyncOpenAI]:
-    async with openai.AsyncOpenAI(base_url=f"{backend.url}/v1", api_key="x", max_retries=0) as sdk:
-        yield sdk
+def sim_config() -> SimConfig:
+    return CONFIG
 
 
 async def test_models_lists_the_base_model_then_its_adapters_with_parent(backend: SimBackend) -> None:
@@ -105,7 +97,9 @@ async def test_a_streamed_response_is_stored_and_replayed(client: openai.AsyncOp
     assert kinds[:2] == ["response.created", "response.in_progress"]
     assert kinds[-1] == "response.completed"
     assert [e.sequence_number for e in events] == list(range(len(events)))
-    done = events[-1].response
+    last = events[-1]
+    assert isinstance(last, ResponseCompletedEvent)
+    done = last.response
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert deltas == done.output_text
     replayed = [e async for e in await client.responses.retrieve(done.id, stream=True)]
@@ -114,7 +108,7 @@ async def test_a_streamed_response_is_stored_and_replayed(client: openai.AsyncOp
 
 async def test_store_false_keeps_nothing(client: openai.AsyncOpenAI, backend: SimBackend) -> None:
     made = await client.responses.create(model="sim-llama", input="hi", store=False, max_output_tokens=1)
-    assert made.store is False
+    assert made.to_dict()["store"] is False
     with pytest.raises(openai.NotFoundError):
         await client.responses.retrieve(made.id)
     assert backend.server.stats()["stored_responses"] == 0

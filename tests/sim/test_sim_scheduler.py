@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 
 import pytest
 
@@ -12,20 +11,14 @@ from prefix_router.sim.config import SimConfig
 from prefix_router.sim.scheduler import Scheduler
 from prefix_router.sim.tokens import Prompt, tokenize_text
 
+from loopback import eventually
+
 FAST = SimConfig(overhead_ms=0.0, prefill_ms_per_token=0.0, itl_ms=0.0, block_size=4)
 
 
 def make_scheduler(config: SimConfig = FAST) -> Scheduler:
     cache = PrefixCache(block_size=config.block_size, capacity_blocks=config.capacity_blocks)
     return Scheduler(config, cache)
-
-
-async def wait_until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while True:
-            if condition():
-                return
-            await asyncio.sleep(0.001)
 
 
 async def hold(
@@ -43,15 +36,15 @@ async def test_with_one_slot_a_second_request_waits_until_the_first_ends() -> No
     log: list[str] = []
     release_first, release_second = asyncio.Event(), asyncio.Event()
     first = asyncio.create_task(hold(scheduler, tokenize_text("one"), release_first, log, "first"))
-    await wait_until(lambda: scheduler.num_running == 1)
+    await eventually(lambda: scheduler.num_running == 1)
     second = asyncio.create_task(hold(scheduler, tokenize_text("two"), release_second, log, "second"))
-    await wait_until(lambda: scheduler.num_waiting == 1)
+    await eventually(lambda: scheduler.num_waiting == 1)
     assert log == ["first admitted"]
     assert scheduler.num_running == 1
 
     release_first.set()
     await first
-    await wait_until(lambda: log == ["first admitted", "second admitted"])
+    await eventually(lambda: log == ["first admitted", "second admitted"])
     assert (scheduler.num_running, scheduler.num_waiting) == (1, 0)
     release_second.set()
     await second
@@ -67,7 +60,7 @@ async def test_waiting_requests_start_first_come_first_served() -> None:
     tasks = []
     for name in ("a", "b", "c", "d"):
         tasks.append(asyncio.create_task(hold(scheduler, tokenize_text(name), release, log, name)))
-        await wait_until(lambda: scheduler.num_running + scheduler.num_waiting == len(tasks))
+        await eventually(lambda: scheduler.num_running + scheduler.num_waiting == len(tasks))
     release.set()
     await asyncio.gather(*tasks)
     assert log == ["a admitted", "b admitted", "c admitted", "d admitted"]
@@ -78,9 +71,9 @@ async def test_cancelling_a_waiting_request_removes_it_from_the_queue() -> None:
     release = asyncio.Event()
     log: list[str] = []
     first = asyncio.create_task(hold(scheduler, tokenize_text("one"), release, log, "first"))
-    await wait_until(lambda: scheduler.num_running == 1)
+    await eventually(lambda: scheduler.num_running == 1)
     second = asyncio.create_task(hold(scheduler, tokenize_text("two"), release, log, "second"))
-    await wait_until(lambda: scheduler.num_waiting == 1)
+    await eventually(lambda: scheduler.num_waiting == 1)
     second.cancel()
     with pytest.raises(asyncio.CancelledError):
         await second
@@ -95,7 +88,7 @@ async def test_cancelling_a_running_request_frees_its_slot_and_counts_an_abort()
     scheduler = make_scheduler(SimConfig(max_num_seqs=1))
     never = asyncio.Event()
     task = asyncio.create_task(hold(scheduler, tokenize_text("x" * 100), never, [], "stuck"))
-    await wait_until(lambda: scheduler.num_running == 1)
+    await eventually(lambda: scheduler.num_running == 1)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -112,9 +105,9 @@ async def test_a_full_kv_pool_holds_requests_back_even_with_free_slots() -> None
     release = asyncio.Event()
     log: list[str] = []
     first = asyncio.create_task(hold(scheduler, Prompt(b"a" * 48), release, log, "first"))  # 3 blocks
-    await wait_until(lambda: scheduler.num_running == 1)
+    await eventually(lambda: scheduler.num_running == 1)
     second = asyncio.create_task(hold(scheduler, Prompt(b"b" * 48), release, log, "second"))
-    await wait_until(lambda: scheduler.num_waiting == 1)
+    await eventually(lambda: scheduler.num_waiting == 1)
     assert scheduler.kv_cache_usage == 0.75
     release.set()
     await asyncio.gather(first, second)

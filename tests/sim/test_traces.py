@@ -31,7 +31,9 @@ def record(ts: float, hash_ids: list[int], input_length: int | None = None, **ex
 
 
 def content(body: dict[str, object]) -> str:
-    [message] = body["messages"]  # type: ignore[misc]
+    messages = body["messages"]
+    assert isinstance(messages, list)
+    [message] = messages
     assert message["role"] == "user"
     return str(message["content"])
 

