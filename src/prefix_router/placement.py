@@ -1,16 +1,63 @@
-"""Requests that wait before they are sent: for capacity, or for another request's prefill.
+"""Where one attempt of a request goes, and what it holds while it is there.
 
-Both waits are bounded in time (and the capacity queue in length), and both wake on events the
-relay raises: a released lease, a new load scrape, a prefill's first byte.
+choose (the routing policy's pick; with replicas sharing placements, the shared store's claim) →
+capacity wait (every backend at max_inflight: a bounded FIFO, woken by released leases and new load
+figures) → prefill hold (another request is computing this prefix on the chosen backend: wait, bounded,
+for its first byte) → a `Placement`: the backend, the decision, the lease on the backend and the claim
+on the blocks this attempt prefills, given back together by one idempotent `release()`.
+
+Knows no HTTP: whoever sends the request (the relay; a front end that only places) reports the answer
+back through the Placement, and the waits are reported through `Waits`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
+import time
 from collections import deque
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Protocol
 
+from prefix_router.errors import NoBackend, Overloaded
+from prefix_router.fleet.backends import BackendSet
+from prefix_router.fleet.models import ModelDirectory
+from prefix_router.routing.decision import Branch, Candidates, Decision
+from prefix_router.routing.keys import RoutingKey
+from prefix_router.routing.load import Lease
+from prefix_router.routing.picker import Picker
+from prefix_router.routing.ring import HashRing
+from prefix_router.routing.shared_view import ClaimAnswer, ClaimRequest, Takeover, claim_request, resolve
 from prefix_router.waiters import wake_first
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementConfig:
+    max_inflight: int = 32  # per backend: over it a request waits for capacity
+    queue_max: int = 64  # requests that may wait for capacity at once
+    queue_timeout_s: float = 0.5  # how long one waits for capacity before Overloaded
+    prefill_wait_s: float = 5.0  # how long one waits for another's prefill of its prefix (0: never)
+
+
+class Waits(Protocol):
+    """Where the waits before a request is sent are reported (the router's metrics)."""
+
+    def waited(self, reason: str, seconds: float) -> None: ...
+
+    def prefill_waited(self, outcome: str, seconds: float) -> None: ...
+
+
+class SharedStore(Protocol):
+    """The shared placement store as placement uses it (fleet/shared_state.py's SharedPlacement)."""
+
+    @property
+    def up(self) -> bool: ...
+
+    async def claim(self, request: ClaimRequest) -> ClaimAnswer | None: ...
+
+    def take_over(self, takeover: Takeover, request: ClaimRequest, target_capacity_bytes: float) -> None: ...
 
 
 class CapacityWaiters:
@@ -53,27 +100,52 @@ class CapacityWaiters:
         wake_first(self._waiters)
 
 
-class PrefillEvents:
-    """One event per open prefill ticket (routing/prefill.py), set at the prefill's first byte."""
+class PrefillHold:
+    """One attempt's claim on the blocks it is prefilling (routing/prefill.py); requests for them wait
+    on it. Released exactly once, at the first byte or when the attempt ends, whichever comes first."""
 
-    __slots__ = ("_events",)
+    __slots__ = ("_holds", "_released", "ticket")
 
-    def __init__(self) -> None:
+    def __init__(self, holds: PrefillHolds, ticket: int) -> None:
+        self._holds = holds
+        self.ticket = ticket
+        self._released = False
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        self._holds._end(self.ticket)
+
+
+class PrefillHolds:
+    """The prefill holds open now: the picker's pending blocks, and one event per hold that wakes
+    whoever waits on it when it is released."""
+
+    __slots__ = ("_events", "_picker")
+
+    def __init__(self, picker: Picker) -> None:
+        self._picker = picker
         self._events: dict[int, asyncio.Event] = {}
 
-    def open(self, ticket: int) -> None:
-        self._events[ticket] = asyncio.Event()
+    def __len__(self) -> int:
+        return len(self._events)
 
-    def close(self, ticket: int) -> bool:
-        """Wake the waiters; False if the ticket was already closed."""
-        event = self._events.pop(ticket, None)
-        if event is None:
-            return False
-        event.set()
-        return True
+    def claim(self, key: RoutingKey, backend_id: str) -> PrefillHold | None:
+        """A hold on what this request will prefill there; None when it prefills nothing new (not
+        streaming, no blocks, or all of them claimed or known already)."""
+        ticket = self._picker.prefill_started(key, backend_id)
+        if ticket is None:
+            return None
+        self._events[ticket] = asyncio.Event()
+        return PrefillHold(self, ticket)
 
     async def wait(self, ticket: int, timeout_s: float) -> str | None:
-        """'ready' or 'timeout'; None when the ticket is already closed (nothing to wait for)."""
+        """'ready' or 'timeout'; None when the hold is already released (nothing to wait for)."""
         event = self._events.get(ticket)
         if event is None:
             return None
@@ -83,3 +155,213 @@ class PrefillEvents:
         except TimeoutError:
             return "timeout"
         return "ready"
+
+    def _end(self, ticket: int) -> None:
+        event = self._events.pop(ticket, None)
+        if event is None:
+            return
+        event.set()
+        self._picker.prefill_done(ticket)
+
+
+class Placement:
+    """One attempt's place: the backend, the policy's decision and the branch recorded for it, the
+    lease on the backend and the prefill hold. `release()` gives back both, once, however often it is
+    called; every exit path of the attempt calls it."""
+
+    __slots__ = ("_hold", "_key", "_lease", "_placer", "_released", "backend_id", "branch", "decision")
+
+    def __init__(
+        self,
+        placer: Placer,
+        key: RoutingKey,
+        decision: Decision,
+        branch: Branch,
+        lease: Lease,
+        hold: PrefillHold | None,
+    ) -> None:
+        self._placer = placer
+        self._key = key
+        self.decision = decision
+        self.backend_id = decision.backend_id
+        self.branch = branch
+        self._lease = lease
+        self._hold = hold
+        self._released = False
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    @property
+    def prefill(self) -> PrefillHold | None:
+        return self._hold
+
+    def answered(self) -> None:
+        """The backend's answer began well: the prefix index learns where these blocks are."""
+        self._placer._picker.placed(self._key, self.backend_id)
+
+    def first_byte(self) -> None:
+        """The answer's first byte came: the prefix is cached there now, whoever waits for it may go."""
+        if self._hold is not None:
+            self._hold.release()
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        if self._hold is not None:
+            self._hold.release()
+        self._placer._lease_ended(self._lease)
+
+
+class Placer:
+    """Places attempts: the policy's pick (via the Picker) within max_inflight, the shared claim, the
+    capacity queue and the prefill holds. One per router; no I/O but the shared store's claim."""
+
+    __slots__ = (
+        "_backends",
+        "_config",
+        "_holds",
+        "_models",
+        "_picker",
+        "_rng",
+        "_shared",
+        "_waiters",
+        "_waits",
+    )
+
+    def __init__(
+        self,
+        config: PlacementConfig,
+        backends: BackendSet,
+        picker: Picker,
+        waits: Waits,
+        rng: random.Random | None = None,
+        models: ModelDirectory | None = None,
+        shared: SharedStore | None = None,
+    ) -> None:
+        self._config = config
+        self._backends = backends
+        self._picker = picker
+        self._waits = waits
+        self._rng = rng or random.Random()
+        self._models = models
+        self._shared = shared
+        self._waiters = CapacityWaiters(config.queue_max)
+        self._holds = PrefillHolds(picker) if config.prefill_wait_s > 0 else None
+
+    @property
+    def waiting(self) -> int:
+        """Requests in the capacity queue now."""
+        return len(self._waiters)
+
+    @property
+    def holds(self) -> PrefillHolds | None:
+        return self._holds
+
+    def capacity_changed(self) -> None:
+        """Something other than a local release may have freed capacity: let waiters look again."""
+        self._waiters.wake_all()
+
+    async def place(
+        self, key: RoutingKey, exclude: Collection[str] = (), pin: str | None = None
+    ) -> Placement:
+        """A place for one attempt, on a backend not in `exclude` (the ones tried already; a retry
+        then records the RETRY branch). With `pin`, only that backend (it stored what the request
+        names). Raises NoBackend, Overloaded (capacity wait timed out), ModelNotFound."""
+        decision = await self._choose(key, exclude, pin)
+        backend = decision.backend_id
+        # Nothing awaits from here to the return: a cancelled request cannot leak the lease or hold.
+        lease = self._backends.load.acquire(backend)
+        self._picker.chosen(key, backend)
+        hold = self._holds.claim(key, backend) if self._holds is not None else None
+        branch = Branch.RETRY if exclude else decision.branch
+        return Placement(self, key, decision, branch, lease, hold)
+
+    def has_other(self, key: RoutingKey, tried: Collection[str], pin: str | None = None) -> bool:
+        """May a backend not in `tried` take this request (a pinned one has only its pin)?"""
+        if pin is not None:
+            return pin not in tried and self._backends.get(pin) is not None
+        members = self._scope(key, self._backends.candidates)[1].members
+        return any(b not in tried for b in members)
+
+    def _scope(self, key: RoutingKey, fleet: Candidates) -> tuple[HashRing, Candidates]:
+        """The ring and candidates of the key's model (the whole fleet's without model routing)."""
+        route = self._models.route(key.model) if self._models is not None else None
+        if route is None:
+            return self._backends.ring, fleet
+        return route.ring, route.narrow(fleet)
+
+    async def _choose(self, key: RoutingKey, exclude: Collection[str], pin: str | None) -> Decision:
+        """A decision within the bound, waiting (bounded) while every backend is at max_inflight,
+        and (bounded) while another request prefills this one's prefix on the chosen backend."""
+        config = self._config
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + config.queue_timeout_s
+        wait = self._holds is not None and not exclude
+        queued_s = 0.0  # time spent in the capacity queue, observed once per request
+        while True:
+            if pin is not None:
+                # The backend that stored the response named: no other one could answer.
+                present = pin not in exclude and self._backends.get(pin) is not None
+                decision = Decision(pin, Branch.AFFINITY) if present else None
+            else:
+                ring, candidates = self._scope(key, self._backends.candidates_now(self._rng))
+                decision = self._picker.pick(key, ring, candidates, self._backends.load, exclude, wait=wait)
+            if decision is None:
+                raise NoBackend("no healthy backend is available")
+            if decision.wait_for is not None:
+                wait = False  # once: after it, the index knows where the prefix went
+                await self._wait_for_prefill(decision.wait_for)
+                continue
+            if self._backends.load.load(decision.backend_id) < config.max_inflight:
+                if queued_s:
+                    self._waits.waited("capacity", queued_s)
+                if pin is None and self._shared is not None and not exclude and key.blocks:
+                    return await self._share(key, decision, ring, candidates)
+                return decision
+            left = deadline - loop.time()
+            began = time.perf_counter()
+            woken = await self._waiters.wait(left)
+            queued_s += time.perf_counter() - began
+            if not woken:
+                self._waits.waited("capacity", queued_s)
+                raise Overloaded(
+                    f"every backend is at its limit of {config.max_inflight} requests in flight",
+                    retry_after_s=1,
+                )
+
+    async def _share(
+        self, key: RoutingKey, local: Decision, ring: HashRing, candidates: Candidates
+    ) -> Decision:
+        """The decision every replica agrees on (routing/shared_view.py): one bounded round trip to
+        the shared store; while it is slow or down, the local decision."""
+        shared = self._shared
+        assert shared is not None
+        if not shared.up:
+            return local
+        picker = self._picker
+        request = claim_request(key, local, picker, ring)
+        answer = await shared.claim(request)
+        if answer is None:
+            return local
+        picker.shared_footprints(answer.figures)
+        load = self._backends.load
+        resolution = resolve(local, answer, candidates.members, lambda b: picker.fits(b, candidates, load))
+        if resolution.takeover is not None:
+            shared.take_over(resolution.takeover, request, request.capacity_bytes)
+        return resolution.decision
+
+    async def _wait_for_prefill(self, ticket: int) -> None:
+        assert self._holds is not None
+        began = time.perf_counter()
+        outcome = await self._holds.wait(ticket, self._config.prefill_wait_s)
+        if outcome is not None:
+            self._waits.prefill_waited(outcome, time.perf_counter() - began)
+
+    def _lease_ended(self, lease: Lease) -> None:
+        lease.release()
+        self._backends.lease_ended(lease.backend_id)
+        if len(self._waiters):
+            self._waiters.wake_one()

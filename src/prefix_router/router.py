@@ -38,6 +38,7 @@ from prefix_router.frontend.local_routes import (
 from prefix_router.ops.access_log import LOGGER_NAME, JsonAccessLog
 from prefix_router.ops.admin import build_admin_app, build_metrics_app
 from prefix_router.ops.metrics import BackendStatus, FleetSnapshot, RouterMetrics
+from prefix_router.placement import PlacementConfig, Placer
 from prefix_router.relay import Proxy
 from prefix_router.routing.picker import Picker
 from prefix_router.settings import Settings
@@ -86,16 +87,17 @@ class RouterApp:
             )
         elif settings.routing.shared_state_url:
             log.warning("routing.shared_state_url is ignored: it serves the prefix policy with its index")
-        self.proxy = Proxy(
-            settings,
+        b = settings.balancing
+        self.placer = Placer(
+            PlacementConfig(b.max_inflight, b.queue_max, b.queue_timeout_s, settings.routing.prefill_wait_s),
             self.backends,
             self.picker,
-            self.upstream,
             self.metrics,
             rng,
             models=self.models,
             shared=self.shared,
         )
+        self.proxy = Proxy(settings, self.backends, self.placer, self.upstream, self.metrics)
         self.draining = False
         self.access_log: JsonAccessLog | None = None
         if settings.server.access_log:
@@ -213,7 +215,7 @@ class RouterApp:
             self._spawn(self.shared.run(), "shared_state")
         if self.settings.load_signal.enabled:
             scraper = LoadSignalScraper(
-                self.settings.load_signal, self.backends, self.upstream, self.proxy.capacity_changed
+                self.settings.load_signal, self.backends, self.upstream, self.placer.capacity_changed
             )
             self._spawn(scraper.run(), "load_signal")
 

@@ -212,7 +212,7 @@ async def test_capacity_waits_are_observed(fake_backends, router, client) -> Non
     held = asyncio.create_task(client.post(f"{r.url}{CHAT}", json=chat("first")))
     await eventually(lambda: backend.active == 1)
     queued = asyncio.create_task(client.post(f"{r.url}{CHAT}", json=chat("second")))
-    await eventually(lambda: len(r.app.proxy._waiters) == 1)
+    await eventually(lambda: r.app.placer.waiting == 1)
     await asyncio.sleep(0.05)
     gate.set()
     assert (await held).status_code == 200 and (await queued).status_code == 200

@@ -11,8 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from keykit import bare_key
 from prefix_router.routing.config import BalanceConfig, FirstPlacement, KeyConfig, Policy, RingKey
-from prefix_router.routing.keys import KeySource, RoutingKey, extract_key
+from prefix_router.routing.keys import RoutingKey, extract_key
 from prefix_router.routing.load import LoadTracker, load_ok
 from prefix_router.routing.picker import Branch, Candidates, Picker
 from prefix_router.routing.ring import HashRing, Member
@@ -22,20 +23,6 @@ RING = HashRing([Member(i) for i in IDS], 160)
 ALL = Candidates.of(IDS)
 # The ring walk's own rules (affinity, overflow) apply where first placements follow the ring.
 RING_FIRST = FirstPlacement.RING
-
-
-def bare_key(ring_hash: int, blocks: tuple[int, ...] = (), size: int | None = None) -> RoutingKey:
-    """A key of 256-byte blocks; `size` bytes of key material (default: the blocks exactly)."""
-    ends = tuple(256 * (i + 1) for i in range(max(len(blocks), 1)))
-    return RoutingKey(
-        ring_hash=ring_hash,
-        blocks=blocks,
-        source=KeySource.RAW,
-        model=None,
-        tenant=None,
-        size=256 * len(blocks) if size is None else size,
-        ends=ends,
-    )
 
 
 def tracker_with(loads: dict[str, int]) -> LoadTracker:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from prefix_router.routing.config import BalanceConfig, KeyConfig
-from prefix_router.routing.keys import RoutingKey, extract_key
+from keykit import chat_key
+from prefix_router.routing.config import BalanceConfig
 from prefix_router.routing.load import LoadTracker
 from prefix_router.routing.picker import Branch, Candidates, Picker
 from prefix_router.routing.prefill import PendingPrefills
@@ -12,19 +12,6 @@ from prefix_router.routing.ring import HashRing, Member
 IDS = [f"http://10.0.3.{i}:8000" for i in range(4)]
 RING = HashRing([Member(b) for b in IDS], 64)
 ALL = Candidates.of(IDS)
-
-
-def chat_key(system: str, user: str, stream: bool = True) -> RoutingKey:
-    import orjson
-
-    body = orjson.dumps(
-        {
-            "model": "m",
-            "stream": stream,
-            "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
-        }
-    )
-    return extract_key("/v1/chat/completions", body, None, KeyConfig())
 
 
 def test_start_claims_only_unclaimed_blocks_and_done_releases_them() -> None:

@@ -204,6 +204,11 @@ class RouterMetrics:
     def waited(self, reason: str, seconds: float) -> None:
         self._wait_children[reason].observe(seconds)
 
+    def prefill_waited(self, outcome: str, seconds: float) -> None:
+        """A request held for another's prefill of its prefix, until `outcome` (ready, timeout)."""
+        self.prefill_waits.labels(outcome).inc()
+        self.waited("prefill", seconds)
+
     def answered_by_router(self, status: int, backend: str | None, branch: str | None) -> None:
         """An error the router answered itself, after choosing `backend` on `branch` or before."""
         if backend is None or branch is None or backend not in self._backend_series:

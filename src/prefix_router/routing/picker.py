@@ -1,117 +1,63 @@
-"""Choose a backend for a key: the prefix index, then the ring walk, within the load bound.
+"""The chooser: holds what the router learns from placements and the policy that reads it.
 
-Order of preference for our policy:
-1. the owners the prefix index knows for the longest known prefix (`prefix_match`), first holder
-   first, when that prefix covers at least `follow_threshold` of the request (SGLang's match ratio,
-   Preble's exploit/explore split): a system prompt that all traffic shares is cached everywhere
-   soon enough and must not herd new conversations onto the backends that first took it;
-2. a prefix no backend holds enough of goes, with `first_placement: cache_room`, to the backend of
-   the first ROOM_CHOICES of the key's ring walk whose cache keeps things longest (`cache_room`), ties
-   to the earliest of the walk; with `ring`, to the ring walk: its first backend is `affinity`, a later
-   one `overflow`;
-3. nothing within the bound: the least loaded candidate (`fallback`).
-Baseline policies (random, round robin, least loaded) exist so operators and benchmarks can compare.
+What is learnt (the prefix index of who took which blocks, the footprint ledgers of what each cache
+holds against its capacity, the prefills pending now) lives here, fed by the relay as requests are
+sent and answered; the policy (routing/policies/) only chooses. No I/O.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass
-from enum import StrEnum
+from collections.abc import Collection, Iterable
 
-from prefix_router.routing.config import BalanceConfig, FirstPlacement, Policy
+from prefix_router.routing.config import BalanceConfig, Policy
+from prefix_router.routing.decision import Branch, Candidates, Decision
 from prefix_router.routing.footprint import FootprintLedgers
 from prefix_router.routing.keys import RoutingKey, block_sizes
 from prefix_router.routing.load import LoadTracker, least_bound, load_bound
+from prefix_router.routing.policies import Policy as RoutingPolicy
+from prefix_router.routing.policies.baseline import LeastLoadedPolicy, RandomPolicy, RoundRobinPolicy
+from prefix_router.routing.policies.prefix import ROOM_CHOICES, PrefixPolicy, covers
 from prefix_router.routing.prefill import PendingPrefills
 from prefix_router.routing.prefix_index import PrefixIndex
 from prefix_router.routing.ring import HashRing
 
+# Decision, Branch and Candidates are defined in routing/decision.py; importable from here as before.
+__all__ = ["LEDGER_ENTRIES", "ROOM_CHOICES", "Branch", "Candidates", "Decision", "Picker"]
 
-class Branch(StrEnum):
-    AFFINITY = "affinity"  # the ring's first choice
-    PREFIX_MATCH = "prefix_match"  # a backend the prefix index says holds the longest known prefix
-    OVERFLOW = "overflow"  # a later backend of the walk: the preferred ones were at their bound
-    FALLBACK = "fallback"  # every candidate at its bound: the least loaded one
-    CACHE_ROOM = "cache_room"  # a new prefix, on the backend whose cache keeps things longest
-    BALANCED = "balanced"  # a baseline policy (random, round robin, least loaded) chose
-    RETRY = "retry"  # recorded by the proxy for an attempt after the first
-
-
-@dataclass(frozen=True, slots=True)
-class Candidates:
-    """The backends that may take requests now (healthy, not draining), built once per change."""
-
-    ids: tuple[str, ...]
-    members: frozenset[str]
-
-    @classmethod
-    def of(cls, ids: Collection[str]) -> Candidates:
-        ordered = tuple(sorted(set(ids)))
-        return cls(ordered, frozenset(ordered))
-
-    def without(self, exclude: Collection[str]) -> Candidates:
-        return Candidates.of([b for b in self.ids if b not in exclude])
-
-
-# The branches of our policy, looked up once: reading an Enum member costs ~0.1 µs on CPython 3.11.
-_AFFINITY, _PREFIX_MATCH, _OVERFLOW, _FALLBACK, _CACHE_ROOM = (
-    Branch.AFFINITY,
-    Branch.PREFIX_MATCH,
-    Branch.OVERFLOW,
-    Branch.FALLBACK,
-    Branch.CACHE_ROOM,
-)
-
-# How many backends of the ring walk a new prefix chooses among by cache room: all of a small fleet,
-# and a constant cost at 1,000 backends (the power of d choices balances well from d = 2).
-ROOM_CHOICES = 8
 # Blocks each backend's ledger may hold while its capacity is unknown (~100 bytes an entry).
 LEDGER_ENTRIES = 50_000
 
 
-@dataclass(slots=True, unsafe_hash=True)  # a value; not frozen, like RoutingKey (0.5 µs a decision)
-class Decision:
-    backend_id: str
-    branch: Branch
-    wait_for: int | None = None  # a prefill ticket: the backend is computing this prefix right now
-
-
 class Picker:
-    """Holds what a policy remembers between requests (index, round-robin cursor, rng); no I/O."""
+    """Holds what a policy remembers between requests (index, ledgers, pending prefills) and the
+    policy; no I/O."""
 
-    __slots__ = (
-        "_by_room",
-        "_config",
-        "_cursor",
-        "_index",
-        "_ledgers",
-        "_ours",
-        "_prefills",
-        "_rng",
-        "_threshold",
-        "_under_floor",
-    )
+    __slots__ = ("_config", "_index", "_ledgers", "_policy", "_prefills", "_under_floor")
 
     def __init__(self, config: BalanceConfig, rng: random.Random | None = None) -> None:
         self._config = config
-        self._ours = config.policy is Policy.PREFIX
+        ours = config.policy is Policy.PREFIX
         # At or under this a backend fits whatever the fleet's load; without spill, always.
         self._under_floor = least_bound(config.max_inflight, config.load_floor) if config.spill else math.inf
         self._index = PrefixIndex(config.prefix_index_entries) if config.prefix_index else None
         # The ledgers exist with the index: what ages out of a backend's cache leaves its owners.
         self._ledgers = (
             FootprintLedgers(LEDGER_ENTRIES, self._index.forget_owner)
-            if self._index is not None and self._ours
+            if self._index is not None and ours
             else None
         )
-        self._by_room = self._ledgers is not None and config.first_placement is FirstPlacement.CACHE_ROOM
-        self._threshold = config.follow_threshold
         self._prefills = PendingPrefills()
-        self._rng = rng or random.Random()
-        self._cursor = 0
+        self._policy: RoutingPolicy
+        if ours:
+            self._policy = PrefixPolicy(config, self._index, self._ledgers, self._prefills)
+        elif config.policy is Policy.RANDOM:
+            self._policy = RandomPolicy(rng or random.Random())
+        elif config.policy is Policy.ROUND_ROBIN:
+            self._policy = RoundRobinPolicy()
+        else:
+            self._policy = LeastLoadedPolicy()
 
     @property
     def index(self) -> PrefixIndex | None:
@@ -121,6 +67,11 @@ class Picker:
     def ledgers(self) -> FootprintLedgers | None:
         return self._ledgers
 
+    @property
+    def prefilling(self) -> int:
+        """Prefills pending now (claims not yet ended)."""
+        return len(self._prefills)
+
     def set_capacity(self, backend_id: str, capacity_bytes: float | None) -> None:
         """A backend's KV capacity in bytes of key material (None: unknown)."""
         if self._ledgers is not None:
@@ -128,7 +79,7 @@ class Picker:
 
     def fits(self, backend_id: str, usable: Candidates, load: LoadTracker) -> bool:
         """May `backend_id` take one more request now: a candidate, under max_inflight and within the
-        bound (what _pick_prefix's fits() says, for a backend chosen elsewhere)."""
+        bound (what the prefix policy's fits() says, for a backend chosen elsewhere)."""
         if backend_id not in usable.members:
             return False
         cfg = self._config
@@ -151,7 +102,7 @@ class Picker:
 
     def covers(self, key: RoutingKey, known_blocks: int) -> bool:
         """Is a prefix of `known_blocks` blocks enough of this request to follow its owners?"""
-        return known_blocks > 0 and key.covered_bytes(known_blocks) >= self._threshold * key.size
+        return covers(key, known_blocks, self._config.follow_threshold)
 
     def pick(
         self,
@@ -170,97 +121,7 @@ class Picker:
         usable = candidates.without(exclude) if exclude else candidates
         if not usable.ids:
             return None
-        if self._ours:
-            return self._pick_prefix(key, ring, usable, load, wait)
-        policy = self._config.policy
-        if policy is Policy.RANDOM:
-            return Decision(self._rng.choice(usable.ids), Branch.BALANCED)
-        if policy is Policy.ROUND_ROBIN:
-            self._cursor += 1
-            return Decision(usable.ids[self._cursor % len(usable.ids)], Branch.BALANCED)
-        return Decision(_least_loaded(usable.ids, load, ring, key.ring_hash), Branch.BALANCED)
-
-    def _pick_prefix(
-        self, key: RoutingKey, ring: HashRing, usable: Candidates, load: LoadTracker, wait: bool
-    ) -> Decision:
-        cfg = self._config
-        usable_set = usable.members
-        # load_ok, with its bound computed at most once a pick, and not at all while the backend stays
-        # at or under least_bound.
-        under_floor = self._under_floor
-        limit: float | None = None
-        load_of = load.load
-
-        def fits(backend: str) -> bool:
-            nonlocal limit
-            after = load_of(backend) + 1
-            if after <= under_floor:
-                return True
-            if limit is None:
-                limit = load_bound(
-                    load.total_load(), len(usable.ids), cfg.load_factor, cfg.max_inflight, cfg.load_floor
-                )
-            return after <= limit
-
-        if self._index is not None and key.blocks:
-            # Owners in the order they took the prefix: the first holder keeps it while it is within
-            # the bound, so one spill does not rotate a group over the fleet (each cache would then
-            # have to hold every group).
-            known, owners = self._index.longest_match(key.blocks)
-            if wait:
-                # The index learns a placement at its response head, before the prefill is done,
-                # so pending blocks are looked for among the known ones too.
-                pending = self._prefills.deepest(key.blocks, 0)
-                if (
-                    pending is not None
-                    and pending[1] in usable_set
-                    and self.covers(key, pending[0])
-                    and fits(pending[1])
-                ):
-                    return Decision(pending[1], _PREFIX_MATCH, wait_for=pending[2])
-            if self.covers(key, known):
-                for owner in owners:
-                    if owner in usable_set and fits(owner):
-                        return Decision(owner, _PREFIX_MATCH)
-        if self._by_room:
-            roomiest = self._roomiest(key.ring_hash, ring, usable_set, fits)
-            if roomiest is not None:
-                return Decision(roomiest, _CACHE_ROOM)
-            return Decision(_least_loaded(usable.ids, load, ring, key.ring_hash), _FALLBACK)
-        # The ring's first choice takes most requests: looked up alone, without starting a walk.
-        primary = ring.primary(key.ring_hash)
-        if primary is not None and primary in usable_set and fits(primary):
-            return Decision(primary, _AFFINITY)
-        first = True
-        for backend in ring.walk(key.ring_hash):
-            if backend not in usable_set:
-                continue
-            if fits(backend):
-                return Decision(backend, _AFFINITY if first else _OVERFLOW)
-            first = False
-        return Decision(_least_loaded(usable.ids, load, ring, key.ring_hash), _FALLBACK)
-
-    def _roomiest(
-        self, key_hash: int, ring: HashRing, usable: frozenset[str], fits: Callable[[str], bool]
-    ) -> str | None:
-        """The best-ranked of the first ROOM_CHOICES usable backends of the walk that fit; the walk's
-        order breaks ties, so an empty fleet places by the ring."""
-        assert self._ledgers is not None
-        rank = self._ledgers.rank
-        best: str | None = None
-        best_rank: tuple[int, float] | None = None
-        seen = 0
-        for backend in ring.walk(key_hash):
-            if backend not in usable:
-                continue
-            seen += 1
-            if fits(backend):
-                r = rank(backend)
-                if best_rank is None or r < best_rank:
-                    best, best_rank = backend, r
-            if seen >= ROOM_CHOICES and best is not None:
-                break
-        return best
+        return self._policy.pick(key, ring, usable, load, wait)
 
     def chosen(self, key: RoutingKey, backend_id: str) -> None:
         """A request is being sent to the backend: its cache will hold these blocks.
@@ -294,15 +155,3 @@ class Picker:
             self._index.forget_backend(backend_id)
         if self._ledgers is not None:
             self._ledgers.forget(backend_id)
-
-
-def _least_loaded(usable: tuple[str, ...], load: LoadTracker, ring: HashRing, key_hash: int) -> str:
-    """Least loaded; ties go to the earliest backend of the key's ring walk, so they stay sticky."""
-    best = min(load.load(b) for b in usable)
-    tied = {b for b in usable if load.load(b) == best}
-    if len(tied) == 1:
-        return next(iter(tied))
-    for backend in ring.walk(key_hash):
-        if backend in tied:
-            return backend
-    return min(tied)

@@ -1,0 +1,62 @@
+"""Each policy behind the one protocol, used on its own: the prefix policy reads an index it is handed
+(whoever fed it), the baselines ignore the prefix."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from keykit import bare_key
+from prefix_router.routing.config import BalanceConfig, FirstPlacement
+from prefix_router.routing.decision import Branch, Candidates
+from prefix_router.routing.load import LoadTracker
+from prefix_router.routing.policies import Policy as RoutingPolicy
+from prefix_router.routing.policies.baseline import LeastLoadedPolicy, RandomPolicy, RoundRobinPolicy
+from prefix_router.routing.policies.prefix import PrefixPolicy
+from prefix_router.routing.prefill import PendingPrefills
+from prefix_router.routing.prefix_index import PrefixIndex
+from prefix_router.routing.ring import HashRing, Member
+
+IDS = [f"http://10.0.4.{i}:8000" for i in range(6)]
+RING = HashRing([Member(b) for b in IDS], 64)
+ALL = Candidates.of(IDS)
+
+
+def test_the_prefix_policy_follows_an_index_fed_from_outside() -> None:
+    index = PrefixIndex(1000)
+    far = list(RING.walk(7))[-1]  # the last backend the ring walk would reach
+    index.record((1, 2, 3), far)
+    policy = PrefixPolicy(BalanceConfig(first_placement=FirstPlacement.RING), index, None, PendingPrefills())
+    decision = policy.pick(bare_key(7, (1, 2, 3)), RING, ALL, LoadTracker(), wait=False)
+    assert (decision.backend_id, decision.branch) == (far, Branch.PREFIX_MATCH)
+    index.forget_backend(far)
+    decision = policy.pick(bare_key(7, (1, 2, 3)), RING, ALL, LoadTracker(), wait=False)
+    assert (decision.backend_id, decision.branch) == (RING.primary(7), Branch.AFFINITY)
+
+
+def test_the_prefix_policy_answers_a_pending_prefill_with_its_ticket_only_when_asked_to_wait() -> None:
+    pending = PendingPrefills()
+    owner = IDS[2]
+    ticket = pending.start((1, 2, 3), owner)
+    policy = PrefixPolicy(BalanceConfig(), PrefixIndex(1000), None, pending)
+    held = policy.pick(bare_key(9, (1, 2, 3)), RING, ALL, LoadTracker(), wait=True)
+    assert (held.backend_id, held.branch, held.wait_for) == (owner, Branch.PREFIX_MATCH, ticket)
+    assert policy.pick(bare_key(9, (1, 2, 3)), RING, ALL, LoadTracker(), wait=False).wait_for is None
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        pytest.param(RandomPolicy(random.Random(3)), id="random"),
+        pytest.param(RoundRobinPolicy(), id="round_robin"),
+        pytest.param(LeastLoadedPolicy(), id="least_loaded"),
+    ],
+)
+def test_baselines_ignore_the_prefix_and_never_wait(policy: RoutingPolicy) -> None:
+    pending = PendingPrefills()
+    pending.start((1, 2, 3), IDS[0])
+    for i in range(30):
+        decision = policy.pick(bare_key(i, (1, 2, 3)), RING, ALL, LoadTracker(), wait=True)
+        assert decision.branch is Branch.BALANCED and decision.wait_for is None
+        assert decision.backend_id in ALL.members
