@@ -279,6 +279,10 @@ class Placer:
         branch = Branch.RETRY if exclude else decision.branch
         return Placement(self, key, decision, branch, lease, hold)
 
+    def knows_model(self, model: str | None) -> bool:
+        """A model name the fleet's listings (or the adapter configuration) name; False without them."""
+        return self._models is not None and self._models.is_known(model)
+
     def has_other(self, key: RoutingKey, tried: Collection[str], pin: str | None = None) -> bool:
         """May a backend not in `tried` take this request (a pinned one has only its pin)?"""
         if pin is not None:

@@ -95,6 +95,8 @@ class Proxy:
             raise BadRequest("the request target must be a path starting with '/'")
         body = ex.body
         key = extract_key(ex.path, body, self._tenant(ex.headers), self._key_config)
+        if self._placer.knows_model(key.model):
+            ex.model = key.model
         target, pin, responses = ex.target, None, ex.path.startswith(RESPONSES_PATH)
         if responses:
             body, target, pin = self._restore_response_ids(ex, body)

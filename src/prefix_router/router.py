@@ -133,6 +133,9 @@ class RouterApp:
         except errors.RouterError as exc:
             if not ex.started:
                 self._answer_error(ex, exc)
+        finally:
+            if ex.status:
+                self.metrics.model_answered(ex.model, ex.status)
 
     def _models_answer(self, path: str) -> ResponseParts | None:
         """`/v1/models` (the fleet's union) and `/v1/models/{id}`, once backends said what they serve;

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -201,3 +203,40 @@ async def test_the_router_knows_the_models_before_it_takes_a_request() -> None:
         finally:
             await app.stop()
     assert known == [True, True, True]
+
+
+async def test_metrics_and_the_access_log_name_the_model_but_only_one_the_fleet_serves(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Per-model counts for operators, without a client's made-up model names as label values."""
+    caplog.set_level(logging.INFO, logger="prefix_router.access")
+    async with two_model_fleet() as fleet, httpx.AsyncClient(timeout=30) as client:
+        r = await start_router(
+            router_settings([b.url for b in fleet], models={"probe": True}, server={"access_log": True})
+        )
+        await eventually(lambda: all(r.app.models.has_report(b.url) for b in fleet))
+        try:
+            answered = await send_mix(client, r.url, 9)
+            invented = [await client.post(f"{r.url}{CHAT}", json=chat(f"made-up-{i}", i)) for i in range(3)]
+        finally:
+            await r.stop()
+    assert [s for _, s in answered] == [200] * 9
+    assert [resp.status_code for resp in invented] == [404] * 3
+
+    def count(model: str, klass: str) -> float | None:
+        labels = {"model": model, "status_class": klass}
+        return r.app.registry.get_sample_value("prefix_router_model_requests_total", labels)
+
+    assert (count(LLAMA, "2xx"), count(OTHER, "2xx"), count(LORA, "2xx")) == (3.0, 3.0, 3.0)
+    assert count(LLAMA, "5xx") == 0.0, "a model's series stand at 0 from its first answer"
+    assert count("none", "4xx") == 3.0, "a model nobody serves is counted as none"
+    labelled = {
+        s.labels["model"]
+        for metric in r.app.registry.collect()
+        if metric.name == "prefix_router_model_requests"
+        for s in metric.samples
+    }
+    assert labelled == {LLAMA, OTHER, LORA, "none"}, "no label value a client invented"
+    lines = [json.loads(rec.getMessage()) for rec in caplog.records if rec.name == "prefix_router.access"]
+    chats = [line for line in lines if line["path"] == CHAT]
+    assert [line["model"] for line in chats] == [m for m, _ in answered] + [None] * 3

@@ -276,7 +276,7 @@ async def test_access_log_is_one_json_object_per_request_without_tenants_or_bodi
     lines = access_lines(caplog)
     assert len(lines) == 3, lines
     chosen = resp.headers["x-prefix-router-backend"]
-    keys = {"time", "client", "method", "path", "status", "duration_s", "backend", "branch", "bytes"}
+    keys = {"time", "client", "method", "path", "status", "duration_s", "backend", "branch", "model", "bytes"}
     assert all(set(line) == keys for line in lines), lines
     first, second, third = lines
     assert first["method"] == "POST" and first["path"] == "/v1/chat/completions"

@@ -135,6 +135,15 @@ class ModelDirectory:
 
     # -- per request ---------------------------------------------------------------------------
 
+    def is_known(self, model: str | None) -> bool:
+        """Is `model` a name the fleet listed (a model or a loaded adapter) or the configuration names
+        (an adapter's base)? Only such names become metric labels: they come from the backends, not
+        from whatever a client writes in `model`."""
+        if model is None:
+            return False
+        view = self.view
+        return model in view.routes or model in view.parents or model in self._adapters.bases
+
     def route(self, model: str | None) -> ModelRoute | None:
         """The backends a request for `model` may go to; None: the whole fleet. Raises ModelNotFound."""
         view = self.view

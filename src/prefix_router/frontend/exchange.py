@@ -41,6 +41,7 @@ class Exchange(Protocol):
     flow: FlowControl | None  # set by the relay while a backend streams into this response
     backend: str | None  # for the access log: who answered, on which branch, how many body bytes
     branch: str | None
+    model: str | None  # the model routed to, when it is one the fleet serves (metrics, access log)
     sent: int
 
     @property

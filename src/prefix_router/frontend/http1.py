@@ -131,6 +131,7 @@ class Http1Exchange:
         "http_11",
         "keep_alive",
         "method",
+        "model",
         "path",
         "query",
         "raw_path",
@@ -176,6 +177,7 @@ class Http1Exchange:
         self.status = 0
         self.backend: str | None = None  # for the access log: who answered, on which branch
         self.branch: str | None = None
+        self.model: str | None = None
         self.sent = 0  # response body bytes written, for the access log
         self._head = b""
         self._mode = _NONE

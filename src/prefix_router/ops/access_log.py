@@ -2,11 +2,12 @@
 
 The listener (frontend.http1.Listener) tells an `AccessLog` of each request it finished; this module
 decides what is written. Fields: `time` (UTC, when the answer ended), `client`, `method`, `path`
-(as sent, without the query, which may hold anything), `status` (499 for a client that left first, as nginx
-logs it), `duration_s`, `backend` and `branch` (null when no backend was chosen), and `bytes` (response
-body bytes sent; null for a request refused before it was whole). Never a body, a tenant, a query or a
-header value. Probes and scrapes (/healthz, /readyz, /metrics) are left out unless asked for: at one
-probe a second per kubelet and a scrape every few seconds they would be most of the lines.
+(as sent, without the query, which may hold anything), `status` (499 for a client that left first, as
+nginx logs it), `duration_s`, `backend` and `branch` (null when no backend was chosen), `model` (the
+model routed to when the fleet serves it, else null), and `bytes` (response body bytes sent; null for a
+request refused before it was whole). Never a body, a tenant, a query or a header value. Probes and
+scrapes (/healthz, /readyz, /metrics) are left out unless asked for: at one probe a second per kubelet
+and a scrape every few seconds they would be most of the lines.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class JsonAccessLog:
                 "duration_s": round(duration_s, 6),
                 "backend": ex.backend,
                 "branch": ex.branch,
+                "model": ex.model,
                 "bytes": ex.sent,
             }
         )
@@ -70,6 +72,7 @@ class JsonAccessLog:
                 "duration_s": None,
                 "backend": None,
                 "branch": None,
+                "model": None,
                 "bytes": None,
             }
         )

@@ -116,6 +116,13 @@ class RouterMetrics:
             ["backend", "branch", "status_class"],
             registry=registry,
         )
+        self.model_requests = Counter(
+            "prefix_router_model_requests",
+            "Requests answered, by model and status class: the model is one the backends list (or an "
+            "adapter's configured base), else none, so the label set stays the fleet's, not the clients'.",
+            ["model", "status_class"],
+            registry=registry,
+        )
         self.decisions = Counter(
             "prefix_router_decisions",
             "Routing decisions by branch (one per attempt; retries are branch=retry).",
@@ -188,6 +195,7 @@ class RouterMetrics:
         self._decision_children = {branch: self.decisions.labels(branch.value) for branch in Branch}
         self._wait_children = {reason: self.waits.labels(reason) for reason in WAIT_REASONS}
         self._backend_series: dict[str, BackendSeries] = {}
+        self._model_children: dict[tuple[str, str], Any] = {}
         for code in ROUTER_ERROR_CODES:
             self.router_errors.labels(code)
         for reason in RETRY_REASONS:
@@ -196,7 +204,22 @@ class RouterMetrics:
             self.prefill_waits.labels(outcome)
         for klass in _ROUTER_STATUS_CLASSES:
             self.requests.labels(UNROUTED, UNROUTED, klass)
+        for klass in _INITIALISED_STATUS_CLASSES:
+            self._model_children[(UNROUTED, klass)] = self.model_requests.labels(UNROUTED, klass)
         registry.register(_FleetCollector(snapshot))
+
+    def model_answered(self, model: str | None, status: int) -> None:
+        """A request finished with `status`, for `model` (a name the fleet serves) or none."""
+        name = model if model is not None else UNROUTED
+        klass = status_class(status)
+        child = self._model_children.get((name, klass))
+        if child is None:
+            # A model's first answer brings its series at 0 for the classes alerts divide by.
+            for k in _INITIALISED_STATUS_CLASSES:
+                self._model_children.setdefault((name, k), self.model_requests.labels(name, k))
+            child = self._model_children.get((name, klass)) or self.model_requests.labels(name, klass)
+            self._model_children[(name, klass)] = child
+        child.inc()
 
     def decided(self, branch: Branch) -> None:
         self._decision_children[branch].inc()
