@@ -59,6 +59,12 @@ async def test_the_router_answers_models_from_the_real_listings(vllm_servers: li
     assert [listing["data"][0].get(f) for f in fields] == [direct["data"][0].get(f) for f in fields]
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
     assert served.status_code == 200
+    # The per-model count names the engine's served name, and the unserved one only as none.
+    registry = routers[0].app.registry
+    count = registry.get_sample_value
+    assert count("prefix_router_model_requests_total", {"model": SERVED_MODEL, "status_class": "2xx"}) == 1.0
+    assert count("prefix_router_model_requests_total", {"model": "none", "status_class": "4xx"}) == 1.0
+    assert count("prefix_router_model_requests_total", {"model": "not-served", "status_class": "4xx"}) is None
 
 
 async def test_stored_responses_reach_their_backend_through_two_replicas(
