@@ -215,10 +215,10 @@ class RouterMetrics:
         child = self._model_children.get((name, klass))
         if child is None:
             # A model's first answer brings its series at 0 for the classes alerts divide by.
-            for k in _INITIALISED_STATUS_CLASSES:
-                self._model_children.setdefault((name, k), self.model_requests.labels(name, k))
-            child = self._model_children.get((name, klass)) or self.model_requests.labels(name, klass)
-            self._model_children[(name, klass)] = child
+            for k in (*_INITIALISED_STATUS_CLASSES, klass):
+                if (name, k) not in self._model_children:
+                    self._model_children[(name, k)] = self.model_requests.labels(name, k)
+            child = self._model_children[(name, klass)]
         child.inc()
 
     def decided(self, branch: Branch) -> None:
