@@ -61,7 +61,7 @@ def fits(backend: str, load: LoadTracker, candidates: Candidates, config: Balanc
     st.lists(st.tuples(st.integers(1, 6), st.sampled_from(IDS)), max_size=4),
     st.dictionaries(st.sampled_from(IDS), st.integers(0, 10), max_size=3),
 )
-def test_bound_holds_whenever_some_backend_is_under_it(
+def test_bounds_hold_whenever_some_backend_is_under_them(
     loads: list[int],
     candidate_ids: set[str],
     ring_hash: int,
@@ -84,6 +84,10 @@ def test_bound_holds_whenever_some_backend_is_under_it(
 
     assert decision is not None
     assert decision.backend_id in candidate_ids
+    if decision.branch is Branch.PREFIX_MATCH:
+        # An owner of the prefix follows up to max_inflight: a warm queue beats a cold prefill.
+        assert load.load(decision.backend_id) + 1 <= max_inflight
+        return
     any_fits = any(fits(b, load, candidates, config) for b in candidate_ids)
     if any_fits:
         assert fits(decision.backend_id, load, candidates, config)
@@ -225,6 +229,31 @@ def test_prefix_match_prefers_the_first_holder_within_the_bound() -> None:
     decision = picker.pick(key, RING, ALL, tracker_with({IDS[0]: 4}))
     assert decision is not None
     assert (decision.backend_id, decision.branch) == (IDS[1], Branch.PREFIX_MATCH)
+
+
+def test_an_owner_takes_its_prefix_up_to_max_inflight_past_the_relative_bound() -> None:
+    # 8 backends, 6 in flight all on the owner, no floor: the relative bound is ceil(1.25 * 7 / 8) = 2,
+    # so a ring placement would spill; a warm queue under max_inflight beats a cold prefill.
+    config = BalanceConfig(max_inflight=8, load_floor=0)
+    picker = Picker(config)
+    key = bare_key(7, blocks=(1, 2, 3))
+    owner = list(RING.walk(7))[-1]
+    picker.placed(key, owner)
+    decision = picker.pick(key, RING, ALL, tracker_with({owner: 6}))
+    assert decision is not None
+    assert (decision.backend_id, decision.branch) == (owner, Branch.PREFIX_MATCH)
+    decision = picker.pick(key, RING, ALL, tracker_with({owner: 7}))
+    assert decision is not None
+    assert (decision.backend_id, decision.branch) == (owner, Branch.PREFIX_MATCH)
+    # At max_inflight it spills, and a cold placement keeps the relative bound.
+    decision = picker.pick(key, RING, ALL, tracker_with({owner: 8}))
+    assert decision is not None
+    assert decision.backend_id != owner
+    assert decision.branch is Branch.CACHE_ROOM
+    unowned = bare_key(7, blocks=(9,))
+    decision = picker.pick(unowned, RING, ALL, tracker_with({owner: 6}))
+    assert decision is not None
+    assert decision.backend_id != owner
 
 
 def test_random_policy() -> None:

@@ -4,7 +4,10 @@ Order of preference:
 1. the owners the prefix index knows for the longest known prefix (`prefix_match`), first holder
    first, when that prefix covers at least `follow_threshold` of the request (SGLang's match ratio,
    Preble's exploit/explore split): a system prompt that all traffic shares is cached everywhere
-   soon enough and must not herd new conversations onto the backends that first took it;
+   soon enough and must not herd new conversations onto the backends that first took it. An owner
+   takes the request up to `max_inflight`, not only within the relative bound: waiting in a warm
+   engine's queue costs less than a cold prefill elsewhere, and a hot prefix spread by the relative
+   bound over more backends takes their caches from the prefixes placed there;
 2. a prefix no backend holds enough of goes, with `first_placement: cache_room`, to the backend of
    the first ROOM_CHOICES of the key's ring walk whose cache keeps things longest (`cache_room`), ties
    to the earliest of the walk; with `ring`, to the ring walk: its first backend is `affinity`, a later
@@ -49,7 +52,16 @@ def covers(key: RoutingKey, known_blocks: int, threshold: float) -> bool:
 class PrefixPolicy:
     """Reads the index, the ledgers and the pending prefills the picker keeps; never writes them."""
 
-    __slots__ = ("_by_room", "_config", "_index", "_ledgers", "_prefills", "_threshold", "_under_floor")
+    __slots__ = (
+        "_by_room",
+        "_config",
+        "_follow_limit",
+        "_index",
+        "_ledgers",
+        "_prefills",
+        "_threshold",
+        "_under_floor",
+    )
 
     def __init__(
         self,
@@ -61,6 +73,8 @@ class PrefixPolicy:
         self._config = config
         # At or under this a backend fits whatever the fleet's load; without spill, always.
         self._under_floor = least_bound(config.max_inflight, config.load_floor) if config.spill else math.inf
+        # An owner of the request's prefix takes it up to this (see the module's docstring).
+        self._follow_limit = config.max_inflight if config.spill else math.inf
         self._index = index
         self._ledgers = ledgers
         self._by_room = ledgers is not None and config.first_placement is FirstPlacement.CACHE_ROOM
@@ -89,6 +103,11 @@ class PrefixPolicy:
                 )
             return after <= limit
 
+        follow_limit = self._follow_limit
+
+        def may_follow(backend: str) -> bool:
+            return load_of(backend) + 1 <= follow_limit
+
         if self._index is not None and key.blocks:
             # Owners in the order they took the prefix: the first holder keeps it while it is within
             # the bound, so one spill does not rotate a group over the fleet (each cache would then
@@ -103,12 +122,12 @@ class PrefixPolicy:
                     pending is not None
                     and pending[1] in usable_set
                     and covers(key, pending[0], threshold)
-                    and fits(pending[1])
+                    and may_follow(pending[1])
                 ):
                     return Decision(pending[1], _PREFIX_MATCH, wait_for=pending[2])
             if covers(key, known, threshold):
                 for owner in owners:
-                    if owner in usable_set and fits(owner):
+                    if owner in usable_set and may_follow(owner):
                         return Decision(owner, _PREFIX_MATCH)
         if self._by_room:
             roomiest = self._roomiest(key.ring_hash, ring, usable_set, fits)
