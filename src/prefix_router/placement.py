@@ -352,7 +352,9 @@ class Placer:
             return local
         picker.shared_footprints(answer.figures)
         load = self._backends.load
-        resolution = resolve(local, answer, candidates.members, lambda b: picker.fits(b, candidates, load))
+        resolution = resolve(
+            local, answer, candidates.members, lambda b: picker.may_follow(b, candidates, load)
+        )
         if resolution.takeover is not None:
             shared.take_over(resolution.takeover, request, request.capacity_bytes)
         return resolution.decision

@@ -127,13 +127,15 @@ def test_shared_footprints_rank_backends_over_what_this_replica_placed() -> None
     assert ledgers.rank("B") == (0, -ledgers.capacity("B"))
 
 
-def test_picker_fits_says_what_its_pick_would_say() -> None:
+def test_a_shared_owner_is_followed_as_a_local_one_up_to_max_inflight() -> None:
     picker = Picker(BalanceConfig(max_inflight=4, load_floor=1, load_factor=1.0))
     cands = Candidates.of(["A", "B"])
     load = LoadTracker()
-    assert picker.fits("A", cands, load) and not picker.fits("C", cands, load)
-    leases = [load.acquire("A") for _ in range(2)]
-    assert not picker.fits("A", cands, load)  # 3 > ceil(1.0 * 3 / 2)
-    assert picker.fits("B", cands, load)
+    assert picker.may_follow("A", cands, load) and not picker.may_follow("C", cands, load)
+    leases = [load.acquire("A") for _ in range(3)]
+    assert picker.may_follow("A", cands, load)  # past the relative bound, under max_inflight
+    leases.append(load.acquire("A"))
+    assert not picker.may_follow("A", cands, load)
+    assert picker.may_follow("B", cands, load)
     for lease in leases:
         lease.release()

@@ -7,7 +7,6 @@ sent and answered; the policy (routing/policies/) only chooses. No I/O.
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Collection, Iterable
 
@@ -15,7 +14,7 @@ from prefix_router.routing.config import BalanceConfig, Policy
 from prefix_router.routing.decision import Branch, Candidates, Decision
 from prefix_router.routing.footprint import FootprintLedgers
 from prefix_router.routing.keys import RoutingKey, block_sizes
-from prefix_router.routing.load import LoadTracker, least_bound, load_bound
+from prefix_router.routing.load import LoadTracker
 from prefix_router.routing.policies import Policy as RoutingPolicy
 from prefix_router.routing.policies.baseline import LeastLoadedPolicy, RandomPolicy, RoundRobinPolicy
 from prefix_router.routing.policies.prefix import ROOM_CHOICES, PrefixPolicy, covers
@@ -34,13 +33,11 @@ class Picker:
     """Holds what a policy remembers between requests (index, ledgers, pending prefills) and the
     policy; no I/O."""
 
-    __slots__ = ("_config", "_index", "_ledgers", "_policy", "_prefills", "_under_floor")
+    __slots__ = ("_config", "_index", "_ledgers", "_policy", "_prefills")
 
     def __init__(self, config: BalanceConfig, rng: random.Random | None = None) -> None:
         self._config = config
         ours = config.policy is Policy.PREFIX
-        # At or under this a backend fits whatever the fleet's load; without spill, always.
-        self._under_floor = least_bound(config.max_inflight, config.load_floor) if config.spill else math.inf
         self._index = PrefixIndex(config.prefix_index_entries) if config.prefix_index else None
         # The ledgers exist with the index: what ages out of a backend's cache leaves its owners.
         self._ledgers = (
@@ -77,21 +74,12 @@ class Picker:
         if self._ledgers is not None:
             self._ledgers.set_capacity(backend_id, capacity_bytes)
 
-    def fits(self, backend_id: str, usable: Candidates, load: LoadTracker) -> bool:
-        """May `backend_id` take one more request now: a candidate, under max_inflight and within the
-        bound (what the prefix policy's fits() says, for a backend chosen elsewhere)."""
+    def may_follow(self, backend_id: str, usable: Candidates, load: LoadTracker) -> bool:
+        """May `backend_id`, an owner of the request's prefix found elsewhere (the shared store), take
+        it now: a candidate under max_inflight, as the prefix policy follows its own owners."""
         if backend_id not in usable.members:
             return False
-        cfg = self._config
-        after = load.load(backend_id) + 1
-        if after > cfg.max_inflight:
-            return False
-        if after <= self._under_floor:
-            return True
-        bound = load_bound(
-            load.total_load(), len(usable.ids), cfg.load_factor, cfg.max_inflight, cfg.load_floor
-        )
-        return after <= bound
+        return not self._config.spill or load.load(backend_id) + 1 <= self._config.max_inflight
 
     def shared_footprints(self, figures: Iterable[tuple[str, int, int, int]]) -> None:
         """Fleet-wide footprints (backend, bytes used, oldest use, entries), so cache-room ranks count

@@ -74,16 +74,16 @@ def claim_request(key: RoutingKey, local: Decision, picker: Picker, ring: HashRi
 
 
 def resolve(
-    local: Decision, answer: ClaimAnswer, usable: Collection[str], fits: Callable[[str], bool]
+    local: Decision, answer: ClaimAnswer, usable: Collection[str], may_follow: Callable[[str], bool]
 ) -> Resolution:
-    """The final decision: the shared owner when it is usable and within the load bound, else the
+    """The final decision: the shared owner when it is usable and under max_inflight, else the
     local decision (and the blocks the claim gave the owner move to it)."""
     chosen = answer.chosen
     if chosen == local.backend_id:
         if answer.followed and local.branch is not Branch.PREFIX_MATCH:
             return Resolution(Decision(chosen, Branch.PREFIX_MATCH), None)
         return Resolution(local, None)
-    if chosen in usable and fits(chosen):
+    if chosen in usable and may_follow(chosen):
         return Resolution(Decision(chosen, Branch.PREFIX_MATCH), None)
     # A backend that cannot take requests (gone, ejected, draining) loses every block it owns here;
     # one that is only at its bound keeps what it held before this claim.
