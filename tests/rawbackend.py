@@ -29,6 +29,8 @@ __all__ = [
 ]
 
 HEALTH_OK = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+# The router's own probes at start (health, and the KV capacity read from the metrics page).
+PROBE_PATHS = frozenset({"/health", "/metrics"})
 
 
 @dataclass
@@ -51,9 +53,10 @@ Script = Callable[[RawRequest, RawConn], Awaitable[bool]]
 class RawBackend:
     """A loopback HTTP/1.1 server whose answers are scripts writing raw bytes.
 
-    /health is answered 200 with `connection: close`, so the router's start-up probe never leaves a
-    pooled connection behind; `conns` holds only the data-path connections. `idle_close_s` closes a
-    connection that stays idle that long between requests, as uvicorn's keep-alive timeout does.
+    /health and /metrics are answered 200 with `connection: close`, so the router's start-up probes
+    never leave a pooled connection behind; `conns` holds only the data-path connections.
+    `idle_close_s` closes a connection that stays idle that long between requests, as uvicorn's
+    keep-alive timeout does.
     """
 
     def __init__(self, script: Script, idle_close_s: float | None = None) -> None:
@@ -110,8 +113,8 @@ class RawBackend:
                     if conn is not None:
                         conn.eof.set()
                     return
-                if req.target == "/health" and conn is None:
-                    self.health_probes += 1
+                if req.target in PROBE_PATHS and conn is None:
+                    self.health_probes += req.target == "/health"
                     writer.write(HEALTH_OK)
                     await writer.drain()
                     return

@@ -213,6 +213,9 @@ class RouterApp:
                 interval_s=self.settings.health.interval_s,
                 timeout_s=self.settings.health.timeout_s,
             )
+            # Read before the listener opens (bounded by the probe's timeout), so the first placements
+            # after a start already weigh each cache's room rather than an unknown, unbounded one.
+            await capacity.probe_due()
             self._spawn(capacity.run(), "kv_capacity")
         if self.shared is not None:
             self._spawn(self.shared.run(), "shared_state")

@@ -92,3 +92,12 @@ async def test_a_configured_capacity_wins(vllm_like, router) -> None:
     ledgers = r.app.picker.ledgers
     assert ledgers is not None
     await eventually(lambda: all(ledgers.capacity(u) == 15000.0 for u in vllm_like))
+
+
+async def test_capacity_is_known_when_the_router_opens(vllm_like, router) -> None:
+    # A probe interval far beyond the test: what is known at once was read before the listener opened.
+    r = await router(router_settings(vllm_like, health={"interval_s": 300.0}))
+    ledgers = r.app.picker.ledgers
+    assert ledgers is not None
+    a, b, _ = vllm_like
+    assert (ledgers.capacity(a), ledgers.capacity(b)) == (100 * 16 * 4.0, 300 * 16 * 4.0)

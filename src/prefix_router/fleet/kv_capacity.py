@@ -43,7 +43,8 @@ def parse_kv_capacity_tokens(text: bytes) -> int | None:
 
 
 class KvCapacityProbe:
-    """Reads each live backend's capacity within `interval_s` of its joining, then every KNOWN_INTERVAL_S."""
+    """Reads each live backend's capacity at start (the router awaits `probe_due` before it listens),
+    within `interval_s` of a later joining, then every KNOWN_INTERVAL_S."""
 
     def __init__(
         self,
