@@ -212,6 +212,19 @@ def test_a_full_ledger_ranks_by_how_long_it_keeps_things() -> None:
     assert ledgers.rank("c") < ledgers.rank("unseen")
 
 
+def test_a_ledger_that_evicted_to_just_under_its_capacity_ranks_by_retention() -> None:
+    # LRU eviction leaves crumbs of room; ranked by them, the cache that turns over fastest could win.
+    ledgers = FootprintLedgers(max_entries=100)
+    for backend in ("old", "busy"):
+        ledgers.set_capacity(backend, 1000)
+    for block in range(12):  # 12 x 90 bytes: one evicted, 990 held, 10 bytes of room
+        ledgers.record("old", (block,), (90,))
+    for block in range(100, 113):  # later, 13 x 80: one evicted, 960 held, 40 bytes of room
+        ledgers.record("busy", (block,), (80,))
+    assert ledgers.ledger("old").room_bytes() < ledgers.ledger("busy").room_bytes()
+    assert ledgers.rank("old") < ledgers.rank("busy")  # both full: "old" keeps things longer
+
+
 def test_a_backend_that_never_says_its_capacity_does_not_draw_every_new_prefix() -> None:
     """A backend that is down or exports no cache_config_info: once the others' capacities are
     known it fills like them, instead of ranking first forever with an unbounded ledger."""

@@ -7,7 +7,7 @@ falls out of the ledger has most likely fallen out of the engine's cache too, an
 that backend as an owner of those blocks so the prefix index does not follow a stale owner.
 
 Two measures rank backends for a new prefix:
-- room: capacity minus what the ledger holds, while the ledger is not full;
+- room: capacity minus what the ledger holds, while the ledger is not full (under FULL_SHARE);
 - once it is full, retention: how many placements ago the ledger's oldest entry was last used. Under
   LRU a cache keeps things for about capacity / inflow; placing where the oldest entry is oldest
   evens out that time over the fleet (what SGLang's "smallest tree" does while its trees never evict).
@@ -22,6 +22,13 @@ from collections.abc import Callable, Sequence
 # not say, or cannot be reached, must not look the roomiest and draw every new prefix), or this
 # figure while none is known, so they rank by what they hold; the entry bound keeps memory bounded.
 UNKNOWN_CAPACITY_BYTES = float(1 << 40)
+# A ledger this full ranks by retention. LRU eviction leaves a full ledger just under its capacity, so
+# "any room left" would rank every full cache by the crumbs its last eviction happened to leave.
+FULL_SHARE = 15 / 16
+
+
+def is_full(used: float, capacity: float, entries: int, max_entries: int) -> bool:
+    return used >= FULL_SHARE * capacity or entries >= max_entries
 
 
 class BackendLedger:
@@ -48,7 +55,7 @@ class BackendLedger:
         return block in self._blocks
 
     def is_full(self) -> bool:
-        return self._used >= self._capacity or len(self._blocks) >= self._max_entries
+        return is_full(self._used, self._capacity, len(self._blocks), self._max_entries)
 
     def room_bytes(self) -> float:
         return max(0.0, self._capacity - self._used)
@@ -165,7 +172,7 @@ class FootprintLedgers:
         if shared is not None:
             used, oldest, entries = shared
             capacity = self.capacity(backend_id)
-            if used < capacity and entries < self._max_entries:
+            if not is_full(used, capacity, entries, self._max_entries):
                 return (0, -(capacity - used))
             return (1, float(oldest))
         ledger = self._ledgers.get(backend_id)
