@@ -557,9 +557,13 @@ REASONS: list[tuple[str, Check]] = [
         lambda c, o, r: _earlier(o, r) and re.match(rb"^[A-Z]+ \S+$", _request_line(c)) is not None,
     ),
     (
-        DEVIATION + "an absolute-form request target: RFC 9112 §3.2.2 says a server MUST accept it "
-        "(nginx does, forwarding the origin form); the router refuses it with 400",
-        lambda c, o, r: _earlier(o, r) and re.match(rb"^[A-Z]+ [a-zA-Z]+://", _request_line(c)) is not None,
+        "an absolute-form target the router does not serve (a scheme other than http or https), or one "
+        "beside an invalid Host header: the router refuses it with 400 (RFC 9110 §7.4 lets a server "
+        "refuse a target that is not its own, and RFC 9112 §3.2 calls for 400 on an invalid Host); nginx "
+        "ignores the scheme and the Host header of an absolute-form request",
+        lambda c, o, r: (
+            _earlier(o, r) and re.match(rb"^[A-Z]+ [a-zA-Z][a-zA-Z0-9+.-]*://", _request_line(c)) is not None
+        ),
     ),
     (
         DEVIATION + "an RTSP/ or ICE/ protocol name in the request line: llhttp accepts it and reports "

@@ -328,8 +328,39 @@ HEADS = [
     pytest.param(head("Host: a?b", method="GET", target="/x"), refused(400), id="host-query"),
     pytest.param(head("Host:", method="GET", target="/x"), refused(400), id="host-empty"),
     pytest.param(head("Host: [::1]:8080", method="GET", target="/x"), ok("/x"), id="host-ipv6-port"),
-    pytest.param(head("Host: x", method="GET", target="http://x/y"), refused(400), id="absolute-form"),
+    # RFC 9112 §3.2.2: absolute form is accepted and goes on in origin form, as nginx forwards it
+    pytest.param(head("Host: other", method="GET", target="http://x/y"), ok("/y"), id="absolute-form"),
+    pytest.param(
+        head("Host: x", method="GET", target="HTTPS://X:8080/y?q=1"),
+        ok("/y"),
+        id="absolute-form-https-any-case",
+    ),
+    pytest.param(head("Host: x", method="GET", target="http://x"), ok("/"), id="absolute-form-empty-path"),
+    pytest.param(
+        head("Host: x", method="GET", target="http://x?q=1"), ok("/"), id="absolute-form-query-only"
+    ),
+    pytest.param(
+        head("Host: x", method="GET", target="http://[::1]:8080/y"), ok("/y"), id="absolute-form-ip-literal"
+    ),
+    pytest.param(
+        head(method="GET", target="http://x/y", version="1.0"), ok("/y"), id="absolute-form-http10-no-host"
+    ),
+    pytest.param(head(method="GET", target="http://x/y"), refused(400), id="absolute-form-http11-no-host"),
+    pytest.param(head("Host: x", method="GET", target="ftp://x/y"), refused(400), id="absolute-form-ftp"),
+    pytest.param(
+        head("Host: x", method="GET", target="http://u@x/y"), refused(400), id="absolute-form-userinfo"
+    ),
+    pytest.param(head("Host: x", method="GET", target="http:///y"), refused(400), id="absolute-form-no-host"),
+    pytest.param(
+        head("Host: x", method="GET", target="http://x:8o/y"), refused(400), id="absolute-form-bad-port"
+    ),
+    pytest.param(
+        head("Host: x", method="GET", target="http://x..y/z"), refused(400), id="absolute-form-bad-host"
+    ),
     pytest.param(head("Host: x", method="CONNECT", target="x:443"), refused(405), id="connect"),
+    pytest.param(
+        head("Host: x", method="CONNECT", target="http://x/"), refused(405), id="connect-absolute-form"
+    ),
     pytest.param(head("Host: x", "X: " + "a" * MAX_HEAD), refused(431), id="head-over-limit"),
     pytest.param(
         head("Host: x", *[f"X-{i}: v" for i in range(MAX_HEAD // 8)]),

@@ -503,6 +503,8 @@ class HttpProtocol(asyncio.Protocol):
             elif name == b"expect":
                 expect = value
         error = self._head_error(hosts, host, codings)
+        if error is None and not self._url.startswith(b"/"):
+            error = self._to_origin_form(hosts)
         if error is not None:
             self._reject(error)
             return
@@ -543,6 +545,33 @@ class HttpProtocol(asyncio.Protocol):
         if tokens != [b"chunked"]:
             return NotImplementedHere("only Transfer-Encoding: chunked is supported for request bodies")
         self._chunked = True
+        return None
+
+    def _to_origin_form(self, hosts: int) -> RouterError | None:
+        """An absolute-form target (RFC 9112 §3.2.2: a server MUST accept it), taken as nginx takes it:
+        the request goes on in origin form (`/` for an empty path), and its Host is the target's
+        authority, whatever the Host header said (§3.2.2: the header is ignored). So routing, the
+        local routes and the backend see the same request as for `GET /path`. CONNECT's authority
+        form and OPTIONS' asterisk form are left as they are: the handler refuses both."""
+        url = self._url
+        if url == b"*" or self._parser.get_method() == b"CONNECT":
+            return None
+        scheme, sep, rest = url.partition(b"://")
+        if not sep or scheme.lower() not in (b"http", b"https"):
+            return BadRequest("the request target must be a path, or an http:// or https:// URI")
+        cut = len(rest)
+        for mark in (b"/", b"?", b"#"):  # RFC 3986 §3.2: what ends an authority
+            at = rest.find(mark)
+            if 0 <= at < cut:
+                cut = at
+        authority, path = rest[:cut], rest[cut:]
+        if not _authority_ok(authority):
+            return BadRequest("invalid authority in the request target")
+        self._url = path if path.startswith(b"/") else b"/" + path
+        if hosts:
+            self._headers = [(n, authority if n == b"host" else v) for n, v in self._headers]
+        else:
+            self._headers.append((b"host", authority))  # HTTP/1.0 may send none
         return None
 
     def _body_may_come(self) -> None:
@@ -856,6 +885,25 @@ class HttpProtocol(asyncio.Protocol):
 def _host_ok(host: bytes) -> bool:
     # translate() deletes the allowed bytes in C: anything left over is a byte Host may not hold
     return bool(host) and not host.translate(None, _HOST_BYTES) and b".." not in host
+
+
+def _authority_ok(authority: bytes) -> bool:
+    """host[:port] of an http(s) URI: a reg-name, IPv4 or IP-literal host, never empty, and digits
+    (or nothing) for the port. No userinfo: RFC 9110 §4.2.4 has a recipient treat it as an error."""
+    if not _host_ok(authority):
+        return False
+    if authority.startswith(b"["):
+        host, bracket, port = authority.partition(b"]")
+        if not bracket or len(host) < 2 or b"[" in host[1:]:
+            return False
+        if port and not port.startswith(b":"):
+            return False
+        port = port[1:]
+    else:
+        host, _, port = authority.partition(b":")
+        if not host or b"[" in host or b"]" in host:
+            return False
+    return not port or port.isdigit()
 
 
 class Listener:
