@@ -437,7 +437,7 @@ async def nginx_lanes(n: int) -> Any:
 # Where the router differs from nginx and RFC 9112/9110 allow both: (why, test on the case and both
 # outcomes). The first that matches is recorded as the case's reason. The first three are about the
 # status only; the others are where the router refuses, at the same point or earlier, what nginx reads
-# leniently. One is not allowed by the RFC and says so (DEVIATION): it is listed to be fixed.
+# leniently. One the RFC does not allow would say so (DEVIATION), to be fixed; none is left.
 Check = Callable[[dict[str, Any], RequestOutcome, RequestOutcome], bool]
 DEVIATION = "deviation: "
 
@@ -564,13 +564,6 @@ REASONS: list[tuple[str, Check]] = [
         lambda c, o, r: (
             _earlier(o, r) and re.match(rb"^[A-Z]+ [a-zA-Z][a-zA-Z0-9+.-]*://", _request_line(c)) is not None
         ),
-    ),
-    (
-        DEVIATION + "an RTSP/ or ICE/ protocol name in the request line: llhttp accepts it and reports "
-        "version 1.0, and httptools does not show the protocol name, so the router relays the request "
-        "as HTTP/1.1 (framed by itself, so nothing can be smuggled); RFC 9112 §3 says a server SHOULD "
-        "answer an invalid request-line with 400, as nginx does",
-        lambda c, o, r: re.search(rb" (RTSP|ICE)/", _request_line(c)) is not None,
     ),
 ]
 

@@ -462,14 +462,54 @@ PIPELINING = [
 ]
 
 
-@pytest.mark.parametrize(("data", "expect"), FRAMING + SMUGGLING + HEADS + PIPELINING)
+# RFC 9112 §3: a request line's protocol is HTTP. llhttp also takes RTSP/ and ICE/ (and httptools shows
+# only their version); nginx answers 400, and so must the router, wherever the line falls in the bytes.
+PROTOCOLS = [
+    pytest.param(b"OPTIONS /m RTSP/1.0\r\nHost: x\r\n\r\n", refused(400), id="rtsp"),
+    pytest.param(b"ANNOUNCE /m RTSP/1.0\r\nHost: x\r\n\r\n", refused(400), id="rtsp-announce"),
+    pytest.param(b"GET /m RTSP/1.1\r\nHost: x\r\n\r\n", refused(400), id="rtsp-1.1"),
+    pytest.param(b"SOURCE /m ICE/1.0\r\nHost: x\r\n\r\n", refused(400), id="ice"),
+    pytest.param(b"GET /m  RTSP/1.0\r\nHost: x\r\n\r\n", refused(400), id="rtsp-after-two-spaces"),
+    pytest.param(
+        head("Host: x", method="GET", target="/a") + b"OPTIONS /m RTSP/1.0\r\nHost: x\r\n\r\n",
+        refused(400, "/a"),
+        id="get-then-rtsp",
+    ),
+    pytest.param(
+        head("Host: x", "Content-Length: 5", target="/a") + b"helloSOURCE /m ICE/1.0\r\nHost: x\r\n\r\n",
+        refused(400, "/a"),
+        id="body-then-ice",
+    ),
+    pytest.param(
+        b"GET /RTSP/1.0 HTTP/1.1\r\nHost: x\r\nX: GET /RTSP/1.0 RTSP/1.0\r\n\r\n",
+        ok("/RTSP/1.0"),
+        id="rtsp-in-target-and-field",
+    ),
+    pytest.param(
+        head("Host: x", "Content-Length: 40", target="/a")
+        + b"ICE/1.0\r\nOPTIONS /m RTSP/1.0\r\nHost: x\r\n\r\n"[:40]
+        + head("Host: x", method="GET", target="/b"),
+        ok("/a", "/b", bodies=(b"ICE/1.0\r\nOPTIONS /m RTSP/1.0\r\nHost: x\r\n\r\n"[:40], b"")),
+        id="rtsp-in-a-body",
+    ),
+    pytest.param(
+        head("Host: x", "Transfer-Encoding: chunked", target="/a")
+        + b"9\r\nRTSP/1.0\n\r\n0\r\nX: RTSP/1.0\r\n\r\n"
+        + head("Host: x", method="GET", target="/b"),
+        ok("/a", "/b", bodies=(b"RTSP/1.0\n", b"")),
+        id="rtsp-in-a-chunk-and-trailer",
+    ),
+]
+
+
+@pytest.mark.parametrize(("data", "expect"), FRAMING + SMUGGLING + HEADS + PIPELINING + PROTOCOLS)
 async def test_raw_request_gets_the_answer_the_rfc_calls_for(
     stack: Stack, data: bytes, expect: Expect
 ) -> None:
     await run(stack, [data], expect)
 
 
-@pytest.mark.parametrize(("data", "expect"), FRAMING + SMUGGLING[:12] + PIPELINING)
+@pytest.mark.parametrize(("data", "expect"), FRAMING + SMUGGLING[:12] + PIPELINING + PROTOCOLS)
 async def test_the_same_bytes_one_at_a_time_get_the_same_answer(
     stack: Stack, data: bytes, expect: Expect
 ) -> None:

@@ -444,7 +444,7 @@ async def test_answers_before_a_close_survive_requests_pipelined_after_it(
     assert [s.path for s in backend.seen] == ["/a", "/last"]
 
 
-# -- 10. request-target forms (RFC 9112 §3.2) ------------------------------------------------------
+# -- 10. request-target forms (RFC 9112 §3.2) and the protocol name (§3) ---------------------------
 
 
 async def test_an_absolute_form_request_reaches_the_handler_in_origin_form_with_its_authority_as_host() -> (
@@ -508,3 +508,26 @@ async def test_an_absolute_form_request_is_routed_as_its_origin_form(
             assert resp.status == 200, resp.body
             answered.append((resp.header("x-fake-backend"), resp.json()["path"]))
         assert answered[0] == answered[1]
+
+
+RTSP_REQUEST = b"OPTIONS /m RTSP/1.0\r\nHost: x\r\n\r\n"
+
+
+@pytest.mark.parametrize("cut", range(len(RTSP_REQUEST)))
+async def test_an_rtsp_request_split_anywhere_across_reads_is_refused_after_the_one_before_it(
+    fake_backends: MakeBackends, router: MakeRouter, cut: int
+) -> None:
+    """The check for RTSP/ and ICE/ must see the protocol name even when a read ends inside it, in a
+    request pipelined behind one that is answered first."""
+    backend, r = await started(fake_backends, router)
+    async with connection(r.port) as (reader, writer):
+        writer.write(request("GET", "/a") + RTSP_REQUEST[:cut])
+        await writer.drain()
+        await asyncio.sleep(0.02)
+        writer.write(RTSP_REQUEST[cut:])
+        first = await read_response(reader)
+        second = await read_response(reader)
+        assert await closed_by_peer(reader)
+    assert (first.status, first.header("x-fake-backend")) == (200, backend.name)
+    assert second.status == 400 and second.json()["error"]["type"] == "invalid_request_error"
+    assert [s.path for s in backend.seen] == ["/a"]

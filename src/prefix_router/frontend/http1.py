@@ -289,6 +289,7 @@ class HttpProtocol(asyncio.Protocol):
         self._paused_writing = False
         self._upgraded = False  # a CONNECT: nothing after it is HTTP
         self._held = bytearray()  # bytes of a head (or trailer) field not fed yet: no line end seen
+        self._line_tail = b""  # the open request line's bytes at the end of the last feed, if any
         # the request being parsed
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
@@ -347,16 +348,56 @@ class HttpProtocol(asyncio.Protocol):
         self._feed(data)
 
     def _feed(self, data: bytes) -> None:
+        if b"RTSP/" in data or b"ICE/" in data or self._line_tail:
+            if not self._feed_lines(data):
+                return
+        elif not self._parse(data):
+            return
+        if self._in_head and not self._rejected:
+            if self._head_size == len(self._url):
+                # The request line (or the first field line after it) is still open: rare, a head
+                # split across reads. Its start is kept for _feed_lines, in case a protocol name
+                # is split too.
+                self._line_tail = data[data.rfind(b"\n") + 1 :]
+            if not self._headers and self._url:
+                self._check_http09(data)
+
+    def _parse(self, data: bytes, rest: bytes = b"") -> bool:
+        """Feed the parser; False when it stopped (an error, or an Upgrade offer handed on with `rest`,
+        the bytes that follow `data`)."""
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade as exc:
-            self._upgrade(data[int(exc.args[0]) :])
+            self._upgrade(data[int(exc.args[0]) :] + rest)
+            return False
         except httptools.HttpParserError as exc:
             if not self._rejected:
                 self._reject(BadRequest(f"malformed HTTP request: {exc}"))
-            return
-        if self._in_head and not self._rejected and not self._headers and self._url:
-            self._check_http09(data)
+            return False
+        return True
+
+    def _feed_lines(self, data: bytes) -> bool:
+        """Bytes that may hold an RTSP/ or ICE/ request line: llhttp accepts those protocol names and
+        httptools reports only their version, so they would pass for HTTP. Fed one line at a time, so
+        that the line ending a request line is known: no field counted yet, still in the head. That
+        line is the end of the request line (which holds no line end), and its last word the protocol.
+        Only segments holding either name come here, so the usual request costs two byte scans."""
+        tail, self._line_tail = self._line_tail, b""
+        start, size = 0, len(data)
+        while start < size and not self._rejected:
+            end = data.find(b"\n", start) + 1 or size
+            piece = data[start:end]
+            if not self._parse(piece, data[end:]):
+                return False
+            if piece[-1:] == b"\n" and self._in_head and self._head_size == len(self._url):
+                line = tail + piece if start == 0 else piece
+                protocol = line.rstrip(b"\r\n").rpartition(b" ")[2]
+                if protocol.startswith((b"RTSP/", b"ICE/")):
+                    name = protocol.partition(b"/")[0].decode("ascii")
+                    self._reject(BadRequest(f"{name} is not HTTP: this port speaks HTTP/1.1"))
+                    return False
+            start = end
+        return True
 
     def _check_http09(self, data: bytes) -> None:
         """`GET /x` and a line end: an HTTP/0.9 request, which has no head to wait for. llhttp reports
