@@ -28,13 +28,16 @@ import os
 import random
 import resource
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
 import time
 from array import array
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Any, cast
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -82,6 +85,7 @@ class Run:
     ended: int = 0  # client streams that ended before the run closed them
     failed: int = 0  # streams refused or closed before their head
     first_failure: str = ""
+    failures: Counter[str] = field(default_factory=Counter)  # by kind: status line, or how it closed
 
 
 class StreamBackend(asyncio.Protocol):
@@ -160,7 +164,8 @@ class StreamClient(asyncio.Protocol):
         if not self.head_seen:
             end = data.find(b"\r\n\r\n")
             if end < 0 or not data.startswith(b"HTTP/1.1 200"):
-                self.fail(f"answer {data[:300]!r}")
+                kind = data.split(b"\r\n", 1)[0][:40].decode("latin-1") if end >= 0 else "a head cut short"
+                self.fail(f"answer {data[:300]!r}", kind)
                 return
             self.head_seen = True
             self.run.heads += 1
@@ -181,9 +186,10 @@ class StreamClient(asyncio.Protocol):
                 run.delays.append((now - sent) / 1e9)
             at = data.find(EVENT_HEAD, start, whole)
 
-    def fail(self, why: str) -> None:
+    def fail(self, why: str, kind: str) -> None:
         if not self.established.done():
             self.run.failed += 1
+            self.run.failures[kind] += 1
             self.run.first_failure = self.run.first_failure or why
             self.established.set_result(None)
         if self.transport is not None:
@@ -191,7 +197,7 @@ class StreamClient(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         if not self.established.done():
-            self.fail(f"closed before its head ({exc!r})")
+            self.fail(f"closed before its head ({exc!r})", f"closed before its head ({type(exc).__name__})")
             return
         if self.transport is not None and not self.transport.is_closing():
             self.run.ended += 1
@@ -284,7 +290,11 @@ async def run_phase(
             clients.append(transport)
             await client.established
 
-    await asyncio.gather(*(open_one(i) for i in range(args.streams)))
+    progress = loop.create_task(report_ramp(name, run, args.streams))
+    try:
+        await asyncio.gather(*(open_one(i) for i in range(args.streams)))
+    finally:
+        progress.cancel()
     ramp_s = time.perf_counter() - ramp_start
     await asyncio.sleep(args.settle_s)
 
@@ -329,6 +339,7 @@ async def run_phase(
         "heads": run.heads,
         "failed": run.failed,
         "first_failure": run.first_failure,
+        "failures": dict(run.failures),
         "ended_early": ended,
         "ramp_s": ramp_s,
         "events_per_s": events / held_s,
@@ -353,6 +364,18 @@ async def run_phase(
             healthz_probes=len(health),
         )
     return out
+
+
+async def report_ramp(name: str, run: Run, streams: int) -> None:
+    """A line on stderr every 5 s while streams open: a ramp that crawls (a saturated load CPU) or
+    refusals show while they happen, not only in the report at the end."""
+    while True:
+        await asyncio.sleep(5.0)
+        kinds = ", ".join(f"{n} {kind}" for kind, n in run.failures.most_common())
+        print(
+            f"{name}: {run.heads:,} of {streams:,} streams open; refused {run.failed:,} {kinds}",
+            file=sys.stderr,
+        )
 
 
 def own_cpu_seconds() -> float:
@@ -423,6 +446,10 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
     return results
 
 
+def _stop_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt  # so that main_async's finally stops the backend and the router
+
+
 def run_uvloop(main: Any) -> Any:
     try:
         import uvloop
@@ -472,6 +499,7 @@ def main() -> int:
         "httptools": package_version("httptools"),
     }
     meta = print_header("Long streams held open through the router", versions)
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
     results = run_uvloop(main_async(args))
 
     direct, routed = results
@@ -501,7 +529,10 @@ def main() -> int:
     print(markdown_table([*head, "load-gen lag p99 ms", "CPUs: load-gen / router / others"], rows))
     for r in results:
         if r["first_failure"]:
-            print(f"\n{r['name']}: first refused stream: {r['first_failure']}")
+            kinds = "; ".join(
+                f"{n:,} × {kind}" for kind, n in sorted(r["failures"].items(), key=lambda f: -f[1])
+            )
+            print(f"\n{r['name']}: refused {kinds}; the first: {r['first_failure']}")
     added_p50 = routed["delay_p50_ms"] - direct["delay_p50_ms"]
     added_p99 = routed["delay_p99_ms"] - direct["delay_p99_ms"]
     print()

@@ -91,7 +91,8 @@ class Proxy:
         if ex.method in _REFUSED_METHODS:
             raise MethodNotAllowed(f"method {ex.method} is not supported by the router")
         if not ex.raw_path.startswith(b"/"):
-            # An absolute URI or authority form: the target is only ever a configured backend.
+            # The asterisk form (OPTIONS *): the listener has made an absolute form a path, and the
+            # target is only ever a configured backend.
             raise BadRequest("the request target must be a path starting with '/'")
         body = ex.body
         key = extract_key(ex.path, body, self._tenant(ex.headers), self._key_config)

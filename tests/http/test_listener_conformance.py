@@ -328,8 +328,39 @@ HEADS = [
     pytest.param(head("Host: a?b", method="GET", target="/x"), refused(400), id="host-query"),
     pytest.param(head("Host:", method="GET", target="/x"), refused(400), id="host-empty"),
     pytest.param(head("Host: [::1]:8080", method="GET", target="/x"), ok("/x"), id="host-ipv6-port"),
-    pytest.param(head("Host: x", method="GET", target="http://x/y"), refused(400), id="absolute-form"),
+    # RFC 9112 §3.2.2: absolute form is accepted and goes on in origin form, as nginx forwards it
+    pytest.param(head("Host: other", method="GET", target="http://x/y"), ok("/y"), id="absolute-form"),
+    pytest.param(
+        head("Host: x", method="GET", target="HTTPS://X:8080/y?q=1"),
+        ok("/y"),
+        id="absolute-form-https-any-case",
+    ),
+    pytest.param(head("Host: x", method="GET", target="http://x"), ok("/"), id="absolute-form-empty-path"),
+    pytest.param(
+        head("Host: x", method="GET", target="http://x?q=1"), ok("/"), id="absolute-form-query-only"
+    ),
+    pytest.param(
+        head("Host: x", method="GET", target="http://[::1]:8080/y"), ok("/y"), id="absolute-form-ip-literal"
+    ),
+    pytest.param(
+        head(method="GET", target="http://x/y", version="1.0"), ok("/y"), id="absolute-form-http10-no-host"
+    ),
+    pytest.param(head(method="GET", target="http://x/y"), refused(400), id="absolute-form-http11-no-host"),
+    pytest.param(head("Host: x", method="GET", target="ftp://x/y"), refused(400), id="absolute-form-ftp"),
+    pytest.param(
+        head("Host: x", method="GET", target="http://u@x/y"), refused(400), id="absolute-form-userinfo"
+    ),
+    pytest.param(head("Host: x", method="GET", target="http:///y"), refused(400), id="absolute-form-no-host"),
+    pytest.param(
+        head("Host: x", method="GET", target="http://x:8o/y"), refused(400), id="absolute-form-bad-port"
+    ),
+    pytest.param(
+        head("Host: x", method="GET", target="http://x..y/z"), refused(400), id="absolute-form-bad-host"
+    ),
     pytest.param(head("Host: x", method="CONNECT", target="x:443"), refused(405), id="connect"),
+    pytest.param(
+        head("Host: x", method="CONNECT", target="http://x/"), refused(405), id="connect-absolute-form"
+    ),
     pytest.param(head("Host: x", "X: " + "a" * MAX_HEAD), refused(431), id="head-over-limit"),
     pytest.param(
         head("Host: x", *[f"X-{i}: v" for i in range(MAX_HEAD // 8)]),
@@ -431,14 +462,54 @@ PIPELINING = [
 ]
 
 
-@pytest.mark.parametrize(("data", "expect"), FRAMING + SMUGGLING + HEADS + PIPELINING)
+# RFC 9112 §3: a request line's protocol is HTTP. llhttp also takes RTSP/ and ICE/ (and httptools shows
+# only their version); nginx answers 400, and so must the router, wherever the line falls in the bytes.
+PROTOCOLS = [
+    pytest.param(b"OPTIONS /m RTSP/1.0\r\nHost: x\r\n\r\n", refused(400), id="rtsp"),
+    pytest.param(b"ANNOUNCE /m RTSP/1.0\r\nHost: x\r\n\r\n", refused(400), id="rtsp-announce"),
+    pytest.param(b"GET /m RTSP/1.1\r\nHost: x\r\n\r\n", refused(400), id="rtsp-1.1"),
+    pytest.param(b"SOURCE /m ICE/1.0\r\nHost: x\r\n\r\n", refused(400), id="ice"),
+    pytest.param(b"GET /m  RTSP/1.0\r\nHost: x\r\n\r\n", refused(400), id="rtsp-after-two-spaces"),
+    pytest.param(
+        head("Host: x", method="GET", target="/a") + b"OPTIONS /m RTSP/1.0\r\nHost: x\r\n\r\n",
+        refused(400, "/a"),
+        id="get-then-rtsp",
+    ),
+    pytest.param(
+        head("Host: x", "Content-Length: 5", target="/a") + b"helloSOURCE /m ICE/1.0\r\nHost: x\r\n\r\n",
+        refused(400, "/a"),
+        id="body-then-ice",
+    ),
+    pytest.param(
+        b"GET /RTSP/1.0 HTTP/1.1\r\nHost: x\r\nX: GET /RTSP/1.0 RTSP/1.0\r\n\r\n",
+        ok("/RTSP/1.0"),
+        id="rtsp-in-target-and-field",
+    ),
+    pytest.param(
+        head("Host: x", "Content-Length: 40", target="/a")
+        + b"ICE/1.0\r\nOPTIONS /m RTSP/1.0\r\nHost: x\r\n\r\n"[:40]
+        + head("Host: x", method="GET", target="/b"),
+        ok("/a", "/b", bodies=(b"ICE/1.0\r\nOPTIONS /m RTSP/1.0\r\nHost: x\r\n\r\n"[:40], b"")),
+        id="rtsp-in-a-body",
+    ),
+    pytest.param(
+        head("Host: x", "Transfer-Encoding: chunked", target="/a")
+        + b"9\r\nRTSP/1.0\n\r\n0\r\nX: RTSP/1.0\r\n\r\n"
+        + head("Host: x", method="GET", target="/b"),
+        ok("/a", "/b", bodies=(b"RTSP/1.0\n", b"")),
+        id="rtsp-in-a-chunk-and-trailer",
+    ),
+]
+
+
+@pytest.mark.parametrize(("data", "expect"), FRAMING + SMUGGLING + HEADS + PIPELINING + PROTOCOLS)
 async def test_raw_request_gets_the_answer_the_rfc_calls_for(
     stack: Stack, data: bytes, expect: Expect
 ) -> None:
     await run(stack, [data], expect)
 
 
-@pytest.mark.parametrize(("data", "expect"), FRAMING + SMUGGLING[:12] + PIPELINING)
+@pytest.mark.parametrize(("data", "expect"), FRAMING + SMUGGLING[:12] + PIPELINING + PROTOCOLS)
 async def test_the_same_bytes_one_at_a_time_get_the_same_answer(
     stack: Stack, data: bytes, expect: Expect
 ) -> None:

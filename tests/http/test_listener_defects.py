@@ -16,6 +16,9 @@ import httpx
 import openai
 import pytest
 
+from prefix_router.frontend.exchange import Exchange
+from prefix_router.frontend.http1 import Listener, ListenerLimits
+from prefix_router.frontend.local_routes import error_response_parts
 from prefix_router.settings import Settings, load_settings
 
 from fakebackend import FakeBackend
@@ -439,3 +442,92 @@ async def test_answers_before_a_close_survive_requests_pipelined_after_it(
         assert (await read_response(reader)).json()["path"] == "/last"
         assert await closed_by_peer(reader)
     assert [s.path for s in backend.seen] == ["/a", "/last"]
+
+
+# -- 10. request-target forms (RFC 9112 §3.2) and the protocol name (§3) ---------------------------
+
+
+async def test_an_absolute_form_request_reaches_the_handler_in_origin_form_with_its_authority_as_host() -> (
+    None
+):
+    """RFC 9112 §3.2.2: the target's authority replaces the Host header; the rest is the origin form."""
+    seen: list[tuple[str, bytes, bytes, str, bytes, list[bytes]]] = []
+
+    async def handler(ex: Exchange) -> None:
+        hosts = [v for n, v in ex.headers if n == b"host"]
+        seen.append((ex.method, ex.target, ex.raw_path, ex.path, ex.query, hosts))
+        ex.respond(204, [], b"")
+
+    limits = ListenerLimits(8192, 5.0, 65536, 5.0, 5.0, 5.0)
+    listener = Listener(handler, error_response_parts, limits)
+    await listener.listen("127.0.0.1", 0)
+    port = int(listener.addresses().rsplit(":", 1)[1])
+    try:
+        async with connection(port) as (reader, writer):
+            writer.write(b"GET HTTP://Api.Example:8443/v1/%6dodels?x=1 HTTP/1.1\r\nHost: elsewhere\r\n\r\n")
+            writer.write(b"GET https://[::1] HTTP/1.1\r\nHost: elsewhere\r\n\r\n")
+            writer.write(b"GET http://a.example HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
+            for _ in range(3):
+                assert (await read_response(reader)).status == 204
+    finally:
+        await listener.shut_down(1.0, lambda: True)
+    assert seen == [
+        ("GET", b"/v1/%6dodels?x=1", b"/v1/%6dodels", "/v1/models", b"x=1", [b"Api.Example:8443"]),
+        ("GET", b"/", b"/", "/", b"", [b"[::1]"]),
+        ("GET", b"/", b"/", "/", b"", [b"a.example"]),
+    ]
+
+
+@pytest.mark.parametrize(("target", "local"), [("/healthz", True), ("/%68ealthz", False)])
+async def test_the_local_routes_match_the_origin_form_of_an_absolute_target(
+    fake_backends: MakeBackends, router: MakeRouter, target: str, local: bool
+) -> None:
+    """`GET http://x/healthz` is the router's /healthz, as nginx would read it; an encoded one is not."""
+    backend, r = await started(fake_backends, router)
+    async with connection(r.port) as (reader, writer):
+        writer.write(request("GET", f"http://router.example{target}"))
+        resp = await read_response(reader)
+    assert resp.status == 200
+    assert (resp.header("x-fake-backend") is None) == local
+    assert [s.path for s in backend.seen] == ([] if local else [target.replace("%68", "h")])
+
+
+async def test_an_absolute_form_request_is_routed_as_its_origin_form(
+    fake_backends: MakeBackends, router: MakeRouter
+) -> None:
+    """The routing key comes from the origin-form path and the body: the same backend either way."""
+    backends = await fake_backends(4)
+    r = await router(router_settings(backends))
+    for n in range(12):
+        body = json.dumps({"model": "m", "prompt": f"tenant {n}: " + "a long shared system prompt " * 20})
+        answered = []
+        for target in ("/v1/completions", f"http://host-{n}.example/v1/completions"):
+            async with connection(r.port) as (reader, writer):
+                writer.write(request("POST", target, body.encode()))
+                resp = await read_response(reader)
+            assert resp.status == 200, resp.body
+            answered.append((resp.header("x-fake-backend"), resp.json()["path"]))
+        assert answered[0] == answered[1]
+
+
+RTSP_REQUEST = b"OPTIONS /m RTSP/1.0\r\nHost: x\r\n\r\n"
+
+
+@pytest.mark.parametrize("cut", range(len(RTSP_REQUEST)))
+async def test_an_rtsp_request_split_anywhere_across_reads_is_refused_after_the_one_before_it(
+    fake_backends: MakeBackends, router: MakeRouter, cut: int
+) -> None:
+    """The check for RTSP/ and ICE/ must see the protocol name even when a read ends inside it, in a
+    request pipelined behind one that is answered first."""
+    backend, r = await started(fake_backends, router)
+    async with connection(r.port) as (reader, writer):
+        writer.write(request("GET", "/a") + RTSP_REQUEST[:cut])
+        await writer.drain()
+        await asyncio.sleep(0.02)
+        writer.write(RTSP_REQUEST[cut:])
+        first = await read_response(reader)
+        second = await read_response(reader)
+        assert await closed_by_peer(reader)
+    assert (first.status, first.header("x-fake-backend")) == (200, backend.name)
+    assert second.status == 400 and second.json()["error"]["type"] == "invalid_request_error"
+    assert [s.path for s in backend.seen] == ["/a"]

@@ -143,7 +143,8 @@ async def test_no_open_proxy_decoy_sees_zero_connections(fake_backends, router) 
     )
     await asyncio.sleep(0.2)
     assert decoy.connections == 0
-    # the absolute URIs, the CONNECT and the request without Host (400) are refused; the rest reach it
+    # the userinfo URI, the CONNECT and the request without Host are refused; the rest reach the one
+    # configured backend (an absolute URI in origin form, its authority never dialled)
     assert len(backends[0].seen) >= len(attempts) - 3
     assert decoy.server is not None
     decoy.server.close()

@@ -289,6 +289,7 @@ class HttpProtocol(asyncio.Protocol):
         self._paused_writing = False
         self._upgraded = False  # a CONNECT: nothing after it is HTTP
         self._held = bytearray()  # bytes of a head (or trailer) field not fed yet: no line end seen
+        self._line_tail = b""  # the open request line's bytes at the end of the last feed, if any
         # the request being parsed
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
@@ -347,16 +348,56 @@ class HttpProtocol(asyncio.Protocol):
         self._feed(data)
 
     def _feed(self, data: bytes) -> None:
+        if b"RTSP/" in data or b"ICE/" in data or self._line_tail:
+            if not self._feed_lines(data):
+                return
+        elif not self._parse(data):
+            return
+        if self._in_head and not self._rejected:
+            if self._head_size == len(self._url):
+                # The request line (or the first field line after it) is still open: rare, a head
+                # split across reads. Its start is kept for _feed_lines, in case a protocol name
+                # is split too.
+                self._line_tail = data[data.rfind(b"\n") + 1 :]
+            if not self._headers and self._url:
+                self._check_http09(data)
+
+    def _parse(self, data: bytes, rest: bytes = b"") -> bool:
+        """Feed the parser; False when it stopped (an error, or an Upgrade offer handed on with `rest`,
+        the bytes that follow `data`)."""
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade as exc:
-            self._upgrade(data[int(exc.args[0]) :])
+            self._upgrade(data[int(exc.args[0]) :] + rest)
+            return False
         except httptools.HttpParserError as exc:
             if not self._rejected:
                 self._reject(BadRequest(f"malformed HTTP request: {exc}"))
-            return
-        if self._in_head and not self._rejected and not self._headers and self._url:
-            self._check_http09(data)
+            return False
+        return True
+
+    def _feed_lines(self, data: bytes) -> bool:
+        """Bytes that may hold an RTSP/ or ICE/ request line: llhttp accepts those protocol names and
+        httptools reports only their version, so they would pass for HTTP. Fed one line at a time, so
+        that the line ending a request line is known: no field counted yet, still in the head. That
+        line is the end of the request line (which holds no line end), and its last word the protocol.
+        Only segments holding either name come here, so the usual request costs two byte scans."""
+        tail, self._line_tail = self._line_tail, b""
+        start, size = 0, len(data)
+        while start < size and not self._rejected:
+            end = data.find(b"\n", start) + 1 or size
+            piece = data[start:end]
+            if not self._parse(piece, data[end:]):
+                return False
+            if piece[-1:] == b"\n" and self._in_head and self._head_size == len(self._url):
+                line = tail + piece if start == 0 else piece
+                protocol = line.rstrip(b"\r\n").rpartition(b" ")[2]
+                if protocol.startswith((b"RTSP/", b"ICE/")):
+                    name = protocol.partition(b"/")[0].decode("ascii")
+                    self._reject(BadRequest(f"{name} is not HTTP: this port speaks HTTP/1.1"))
+                    return False
+            start = end
+        return True
 
     def _check_http09(self, data: bytes) -> None:
         """`GET /x` and a line end: an HTTP/0.9 request, which has no head to wait for. llhttp reports
@@ -503,6 +544,8 @@ class HttpProtocol(asyncio.Protocol):
             elif name == b"expect":
                 expect = value
         error = self._head_error(hosts, host, codings)
+        if error is None and not self._url.startswith(b"/"):
+            error = self._to_origin_form(hosts)
         if error is not None:
             self._reject(error)
             return
@@ -543,6 +586,33 @@ class HttpProtocol(asyncio.Protocol):
         if tokens != [b"chunked"]:
             return NotImplementedHere("only Transfer-Encoding: chunked is supported for request bodies")
         self._chunked = True
+        return None
+
+    def _to_origin_form(self, hosts: int) -> RouterError | None:
+        """An absolute-form target (RFC 9112 §3.2.2: a server MUST accept it), taken as nginx takes it:
+        the request goes on in origin form (`/` for an empty path), and its Host is the target's
+        authority, whatever the Host header said (§3.2.2: the header is ignored). So routing, the
+        local routes and the backend see the same request as for `GET /path`. CONNECT's authority
+        form and OPTIONS' asterisk form are left as they are: the handler refuses both."""
+        url = self._url
+        if url == b"*" or self._parser.get_method() == b"CONNECT":
+            return None
+        scheme, sep, rest = url.partition(b"://")
+        if not sep or scheme.lower() not in (b"http", b"https"):
+            return BadRequest("the request target must be a path, or an http:// or https:// URI")
+        cut = len(rest)
+        for mark in (b"/", b"?", b"#"):  # RFC 3986 §3.2: what ends an authority
+            at = rest.find(mark)
+            if 0 <= at < cut:
+                cut = at
+        authority, path = rest[:cut], rest[cut:]
+        if not _authority_ok(authority):
+            return BadRequest("invalid authority in the request target")
+        self._url = path if path.startswith(b"/") else b"/" + path
+        if hosts:
+            self._headers = [(n, authority if n == b"host" else v) for n, v in self._headers]
+        else:
+            self._headers.append((b"host", authority))  # HTTP/1.0 may send none
         return None
 
     def _body_may_come(self) -> None:
@@ -856,6 +926,25 @@ class HttpProtocol(asyncio.Protocol):
 def _host_ok(host: bytes) -> bool:
     # translate() deletes the allowed bytes in C: anything left over is a byte Host may not hold
     return bool(host) and not host.translate(None, _HOST_BYTES) and b".." not in host
+
+
+def _authority_ok(authority: bytes) -> bool:
+    """host[:port] of an http(s) URI: a reg-name, IPv4 or IP-literal host, never empty, and digits
+    (or nothing) for the port. No userinfo: RFC 9110 §4.2.4 has a recipient treat it as an error."""
+    if not _host_ok(authority):
+        return False
+    if authority.startswith(b"["):
+        host, bracket, port = authority.partition(b"]")
+        if not bracket or len(host) < 2 or b"[" in host[1:]:
+            return False
+        if port and not port.startswith(b":"):
+            return False
+        port = port[1:]
+    else:
+        host, _, port = authority.partition(b":")
+        if not host or b"[" in host or b"]" in host:
+            return False
+    return not port or port.isdigit()
 
 
 class Listener:

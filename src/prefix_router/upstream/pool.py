@@ -31,8 +31,12 @@ import ssl
 from dataclasses import dataclass, field
 
 from prefix_router.errors import ConnectFailed
-from prefix_router.upstream.http1 import Connection, Origin
+from prefix_router.upstream.http1 import Connection, Origin, State
 from prefix_router.waiters import wake_first
+
+# After a connect's deadline: a timer this short still fires only after the loop has polled its sockets
+# once more, so a handshake that finished during a stall is seen before the connect is failed.
+CONNECT_GRACE_S = 0.01
 
 
 @dataclass(slots=True)
@@ -141,22 +145,31 @@ class Pool:
         self.busy.add(conn)  # counts against the limits while connecting
         if counted:
             self.budget.opened(conn)
+        connecting = self.loop.create_task(
+            self.loop.create_connection(
+                lambda: conn,
+                o.host,
+                o.port,
+                ssl=self.ssl_context,
+                server_hostname=o.host if self.ssl_context is not None else None,
+            )
+        )
         try:
-            async with asyncio.timeout(self.connect_timeout_s):
-                await self.loop.create_connection(
-                    lambda: conn,
-                    o.host,
-                    o.port,
-                    ssl=self.ssl_context,
-                    server_hostname=o.host if self.ssl_context is not None else None,
-                )
-        except TimeoutError as exc:
-            conn.close()
-            raise ConnectFailed("connect timed out") from exc
+            await asyncio.wait((connecting,), timeout=self.connect_timeout_s)
+            if not connecting.done():
+                # The deadline is read on this loop's clock, which a busy loop reads late: the timer
+                # can fire in the same turn that brings a handshake finished long before. One more
+                # turn lets that connect be seen, rather than failed (a 502, and a failure held against
+                # a healthy backend) for the router's own lag.
+                await asyncio.sleep(CONNECT_GRACE_S)
+            if not connecting.done() and conn.state is State.CONNECTING:
+                raise ConnectFailed("connect timed out")
+            await connecting
         except (OSError, ssl.SSLError) as exc:
             conn.close()
             raise ConnectFailed(f"connect failed: {type(exc).__name__}") from exc
         except BaseException:
+            connecting.cancel()
             conn.close()
             raise
         return conn
