@@ -46,7 +46,9 @@ def vllm_url(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 async def routed(vllm_url: str) -> AsyncIterator[RunningRouter]:
-    r = await start_router(router_settings([vllm_url]))
+    # A configured KV capacity: no /metrics read at start beside the health probe, so the one pooled
+    # connection the test watches is the health probe's, reused by the data path.
+    r = await start_router(router_settings([vllm_url], routing={"kv_capacity_tokens": 100_000}))
     yield r
     await r.stop()
 
