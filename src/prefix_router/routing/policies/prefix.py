@@ -117,8 +117,8 @@ class PrefixPolicy:
             return load_of(backend) + 1 <= follow_limit
 
         if self._index is not None and key.blocks:
-            # Owners in the order they took the prefix: the first holder keeps it while it is within
-            # the bound, so one spill does not rotate a group over the fleet (each cache would then
+            # Owners in the order they took the prefix: the first holder keeps it while it is below
+            # max_inflight, so one spill does not rotate a group over the fleet (each cache would then
             # have to hold every group).
             known, owners = self._index.longest_match(key.blocks)
             threshold = self._threshold
