@@ -7,9 +7,7 @@ Order of preference:
    soon enough and must not herd new conversations onto the backends that first took it. An owner
    takes the request up to `max_inflight`, not only within the relative bound: waiting in a warm
    engine's queue costs less than a cold prefill elsewhere, and a hot prefix spread by the relative
-   bound over more backends takes their caches from the prefixes placed there. A new conversation
-   on a conversation's trunk (routing/trunks.py) goes instead to the roomiest cache of the walk once
-   the trunk's holder is full (`spread`);
+   bound over more backends takes their caches from the prefixes placed there;
 2. a prefix no backend holds enough of goes, with `first_placement: cache_room`, to the backend of
    the first ROOM_CHOICES of the key's ring walk whose cache keeps things longest (`cache_room`), ties
    to the earliest of the walk; with `ring`, to the ring walk: its first backend is `affinity`, a later
