@@ -274,7 +274,7 @@ class Placer:
         backend = decision.backend_id
         # Nothing awaits from here to the return: a cancelled request cannot leak the lease or hold.
         lease = self._backends.load.acquire(backend)
-        self._picker.chosen(key, backend, decision.depth)
+        self._picker.chosen(key, backend)
         hold = self._holds.claim(key, backend) if self._holds is not None else None
         branch = Branch.RETRY if exclude else decision.branch
         return Placement(self, key, decision, branch, lease, hold)

@@ -245,7 +245,7 @@ async def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_pat
                 window = "[1m]"
                 ns = f'namespace="{NAMESPACE}"'
                 share = await prom.value(
-                    f'sum(increase(prefix_router_decisions_total{{{ns},branch=~"affinity|prefix_match|cache_room|spread"}}{window}))'
+                    f'sum(increase(prefix_router_decisions_total{{{ns},branch=~"affinity|prefix_match|cache_room"}}{window}))'
                     f" / sum(increase(prefix_router_decisions_total{{{ns}}}{window}))"
                 )
                 assert share > 0.5, share

@@ -4,7 +4,6 @@ and fleet-wide footprints in the cache-room rank."""
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
 
 import orjson
 import pytest
@@ -88,7 +87,7 @@ def test_the_answer_becomes_the_decision(
     claimed: ClaimAnswer, usable: set[str], fitting: set[str], decision: Decision, takeover: Takeover | None
 ) -> None:
     resolution = resolve(LOCAL, claimed, usable, fitting.__contains__)
-    assert resolution.decision == replace(decision, depth=claimed.depth)  # the store's depth rides along
+    assert resolution.decision == decision
     assert resolution.takeover == takeover
 
 

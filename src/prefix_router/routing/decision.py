@@ -17,9 +17,6 @@ class Branch(StrEnum):
     OVERFLOW = "overflow"  # a later backend of the walk: the preferred ones were at their bound
     FALLBACK = "fallback"  # every candidate at its bound: the least loaded one
     CACHE_ROOM = "cache_room"  # a new prefix, on the backend whose cache keeps things longest
-    # A new conversation on a known trunk (routing/trunks.py), on a cache that keeps it longer than
-    # the trunk's holders do
-    SPREAD = "spread"
     BALANCED = "balanced"  # a baseline policy (random, round robin, least loaded) chose
     RETRY = "retry"  # recorded by the relay for an attempt after the first
 
@@ -45,4 +42,3 @@ class Decision:
     backend_id: str
     branch: Branch
     wait_for: int | None = None  # a prefill ticket: the backend is computing this prefix right now
-    depth: int = 0  # blocks of the request the shared store knew an owner for (0: not asked)

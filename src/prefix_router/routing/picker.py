@@ -21,7 +21,6 @@ from prefix_router.routing.policies.prefix import ROOM_CHOICES, PrefixPolicy, co
 from prefix_router.routing.prefill import PendingPrefills
 from prefix_router.routing.prefix_index import PrefixIndex
 from prefix_router.routing.ring import HashRing
-from prefix_router.routing.trunks import TrunkStats
 
 # Decision, Branch and Candidates are defined in routing/decision.py; importable from here as before.
 __all__ = ["LEDGER_ENTRIES", "ROOM_CHOICES", "Branch", "Candidates", "Decision", "Picker"]
@@ -34,7 +33,7 @@ class Picker:
     """Holds what a policy remembers between requests (index, ledgers, pending prefills) and the
     policy; no I/O."""
 
-    __slots__ = ("_config", "_index", "_ledgers", "_policy", "_prefills", "_trunks")
+    __slots__ = ("_config", "_index", "_ledgers", "_policy", "_prefills")
 
     def __init__(self, config: BalanceConfig, rng: random.Random | None = None) -> None:
         self._config = config
@@ -47,10 +46,9 @@ class Picker:
             else None
         )
         self._prefills = PendingPrefills()
-        self._trunks = TrunkStats() if self._ledgers is not None else None
         self._policy: RoutingPolicy
         if ours:
-            self._policy = PrefixPolicy(config, self._index, self._ledgers, self._prefills, self._trunks)
+            self._policy = PrefixPolicy(config, self._index, self._ledgers, self._prefills)
         elif config.policy is Policy.RANDOM:
             self._policy = RandomPolicy(rng or random.Random())
         elif config.policy is Policy.ROUND_ROBIN:
@@ -113,19 +111,15 @@ class Picker:
             return None
         return self._policy.pick(key, ring, usable, load, wait)
 
-    def chosen(self, key: RoutingKey, backend_id: str, shared_depth: int = 0) -> None:
+    def chosen(self, key: RoutingKey, backend_id: str) -> None:
         """A request is being sent to the backend: its cache will hold these blocks.
 
         Counted when the choice is final, not when the answer comes: a burst of new prefixes then
         spreads as it arrives, and a backend that fails every request fills its ledger like any other
-        instead of always looking the roomiest. `shared_depth`: the blocks the shared store knew an
-        owner for, which the trunk statistics count as known too (other replicas placed them)."""
+        instead of always looking the roomiest."""
         if self._ledgers is not None and key.blocks:
             blocks = key.blocks
             self._ledgers.record(backend_id, blocks, block_sizes(key.ends)[: len(blocks)])
-            if self._trunks is not None and self._index is not None:
-                known = max(shared_depth, self._index.longest_match(blocks)[0])
-                self._trunks.observe(blocks, known)
 
     def placed(self, key: RoutingKey, backend_id: str) -> None:
         """Learn from a placement that reached the backend (its answer began well)."""

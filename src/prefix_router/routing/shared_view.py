@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from prefix_router.routing.keys import RoutingKey, block_sizes
 from prefix_router.routing.picker import ROOM_CHOICES, Branch, Decision, Picker
@@ -60,11 +60,7 @@ def claim_request(key: RoutingKey, local: Decision, picker: Picker, ring: HashRi
     """What to claim for a request whose local decision is `local` (key.blocks must not be empty)."""
     blocks = key.blocks
     covers = picker.covers
-    if local.branch is Branch.SPREAD:
-        # A new conversation placed off its trunk's holders: no shared owner of the trunk takes it.
-        follow = "0" * len(blocks)
-    else:
-        follow = "".join("1" if covers(key, d) else "0" for d in range(1, len(blocks) + 1))
+    follow = "".join("1" if covers(key, d) else "0" for d in range(1, len(blocks) + 1))
     ledgers = picker.ledgers
     capacity = ledgers.capacity(local.backend_id) if ledgers is not None else float(1 << 40)
     return ClaimRequest(
@@ -82,19 +78,17 @@ def resolve(
 ) -> Resolution:
     """The final decision: the shared owner when it is usable and under max_inflight, else the
     local decision (and the blocks the claim gave the owner move to it)."""
-    chosen, depth = answer.chosen, answer.depth
+    chosen = answer.chosen
     if chosen == local.backend_id:
         if answer.followed and local.branch is not Branch.PREFIX_MATCH:
-            return Resolution(Decision(chosen, Branch.PREFIX_MATCH, depth=depth), None)
-        return Resolution(replace(local, depth=depth), None)
+            return Resolution(Decision(chosen, Branch.PREFIX_MATCH), None)
+        return Resolution(local, None)
     if chosen in usable and may_follow(chosen):
-        return Resolution(Decision(chosen, Branch.PREFIX_MATCH, depth=depth), None)
+        return Resolution(Decision(chosen, Branch.PREFIX_MATCH), None)
     # A backend that cannot take requests (gone, ejected, draining) loses every block it owns here;
     # one that is only at its bound keeps what it held before this claim.
-    after = depth if chosen in usable else 0
-    return Resolution(
-        Decision(local.backend_id, local.branch, depth=depth), Takeover(chosen, local.backend_id, after)
-    )
+    after = answer.depth if chosen in usable else 0
+    return Resolution(local, Takeover(chosen, local.backend_id, after))
 
 
 def parse_answer(reply: object, listed: Sequence[str]) -> ClaimAnswer:

@@ -29,20 +29,18 @@ from prefix_router.routing.policies.baseline import least_loaded
 from prefix_router.routing.prefill import PendingPrefills
 from prefix_router.routing.prefix_index import PrefixIndex
 from prefix_router.routing.ring import HashRing
-from prefix_router.routing.trunks import TrunkStats
 
 # How many backends of the ring walk a new prefix chooses among by cache room: all of a small fleet,
 # and a constant cost at 1,000 backends (the power of d choices balances well from d = 2).
 ROOM_CHOICES = 8
 
 # The branches, looked up once: reading an Enum member costs ~0.1 µs on CPython 3.11.
-_AFFINITY, _PREFIX_MATCH, _OVERFLOW, _FALLBACK, _CACHE_ROOM, _SPREAD = (
+_AFFINITY, _PREFIX_MATCH, _OVERFLOW, _FALLBACK, _CACHE_ROOM = (
     Branch.AFFINITY,
     Branch.PREFIX_MATCH,
     Branch.OVERFLOW,
     Branch.FALLBACK,
     Branch.CACHE_ROOM,
-    Branch.SPREAD,
 )
 
 
@@ -62,7 +60,6 @@ class PrefixPolicy:
         "_ledgers",
         "_prefills",
         "_threshold",
-        "_trunks",
         "_under_floor",
     )
 
@@ -72,7 +69,6 @@ class PrefixPolicy:
         index: PrefixIndex | None,
         ledgers: FootprintLedgers | None,
         prefills: PendingPrefills,
-        trunks: TrunkStats | None = None,
     ) -> None:
         self._config = config
         # At or under this a backend fits whatever the fleet's load; without spill, always.
@@ -84,8 +80,6 @@ class PrefixPolicy:
         self._by_room = ledgers is not None and config.first_placement is FirstPlacement.CACHE_ROOM
         self._threshold = config.follow_threshold
         self._prefills = prefills
-        # Conversations' trunks are spread by cache room (routing/trunks.py), where the ledgers say it.
-        self._trunks = trunks if self._by_room else None
 
     def pick(
         self, key: RoutingKey, ring: HashRing, usable: Candidates, load: LoadTracker, wait: bool
@@ -132,16 +126,8 @@ class PrefixPolicy:
                 ):
                     return Decision(pending[1], _PREFIX_MATCH, wait_for=pending[2])
             if covers(key, known, threshold):
-                trunks = self._trunks
-                spread = (
-                    trunks is not None
-                    and known < len(key.blocks)
-                    and trunks.is_conversational(key.blocks[known - 1])
-                )
                 for owner in owners:
                     if owner in usable_set and may_follow(owner):
-                        if spread:
-                            return self._spread(key, ring, usable_set, fits, owner, owners)
                         return Decision(owner, _PREFIX_MATCH)
         if self._by_room:
             roomiest = self._roomiest(key.ring_hash, ring, usable_set, fits)
@@ -160,27 +146,6 @@ class PrefixPolicy:
                 return Decision(backend, _AFFINITY if first else _OVERFLOW)
             first = False
         return Decision(least_loaded(usable.ids, load, ring, key.ring_hash), _FALLBACK)
-
-    def _spread(
-        self,
-        key: RoutingKey,
-        ring: HashRing,
-        usable: frozenset[str],
-        fits: Callable[[str], bool],
-        owner: str,
-        owners: tuple[str, ...],
-    ) -> Decision:
-        """A new conversation on a conversation's trunk: the roomiest cache of the walk when the
-        trunk's holder is full and that one keeps things longer; the holder while it has room."""
-        assert self._ledgers is not None
-        rank = self._ledgers.rank
-        held = rank(owner)
-        if held[0] == 0:
-            return Decision(owner, _PREFIX_MATCH)
-        roomiest = self._roomiest(key.ring_hash, ring, usable, fits)
-        if roomiest is None or roomiest == owner or not rank(roomiest) < held:
-            return Decision(owner, _PREFIX_MATCH)
-        return Decision(roomiest, _PREFIX_MATCH if roomiest in owners else _SPREAD)
 
     def _roomiest(
         self, key_hash: int, ring: HashRing, usable: frozenset[str], fits: Callable[[str], bool]
