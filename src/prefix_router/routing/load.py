@@ -32,6 +32,12 @@ def load_bound(total: float, n_backends: int, load_factor: float, max_inflight: 
     return min(max_inflight, max(math.ceil(relative - 1e-9), floor))
 
 
+def follow_limit(max_inflight: int, spill: bool) -> float:
+    """The most a backend holding the request's prefix may carry once it takes it: max_inflight, not
+    the relative bound (a warm queue costs less than a cold prefill elsewhere); without spill, no limit."""
+    return max_inflight if spill else math.inf
+
+
 def least_bound(max_inflight: int, floor: int = 0) -> int:
     """The least load_bound can be over a fleet of one backend or more, whatever its load: a backend
     that stays at or under it fits without the fleet's total being looked at."""

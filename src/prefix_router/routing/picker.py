@@ -14,7 +14,7 @@ from prefix_router.routing.config import BalanceConfig, Policy
 from prefix_router.routing.decision import Branch, Candidates, Decision
 from prefix_router.routing.footprint import FootprintLedgers
 from prefix_router.routing.keys import RoutingKey, block_sizes
-from prefix_router.routing.load import LoadTracker
+from prefix_router.routing.load import LoadTracker, follow_limit
 from prefix_router.routing.policies import Policy as RoutingPolicy
 from prefix_router.routing.policies.baseline import LeastLoadedPolicy, RandomPolicy, RoundRobinPolicy
 from prefix_router.routing.policies.prefix import ROOM_CHOICES, PrefixPolicy, covers
@@ -33,10 +33,11 @@ class Picker:
     """Holds what a policy remembers between requests (index, ledgers, pending prefills) and the
     policy; no I/O."""
 
-    __slots__ = ("_config", "_index", "_ledgers", "_policy", "_prefills")
+    __slots__ = ("_config", "_follow_limit", "_index", "_ledgers", "_policy", "_prefills")
 
     def __init__(self, config: BalanceConfig, rng: random.Random | None = None) -> None:
         self._config = config
+        self._follow_limit = follow_limit(config.max_inflight, config.spill)
         ours = config.policy is Policy.PREFIX
         self._index = PrefixIndex(config.prefix_index_entries) if config.prefix_index else None
         # The ledgers exist with the index: what ages out of a backend's cache leaves its owners.
@@ -77,9 +78,7 @@ class Picker:
     def may_follow(self, backend_id: str, usable: Candidates, load: LoadTracker) -> bool:
         """May `backend_id`, an owner of the request's prefix found elsewhere (the shared store), take
         it now: a candidate under max_inflight, as the prefix policy follows its own owners."""
-        if backend_id not in usable.members:
-            return False
-        return not self._config.spill or load.load(backend_id) + 1 <= self._config.max_inflight
+        return backend_id in usable.members and load.load(backend_id) + 1 <= self._follow_limit
 
     def shared_footprints(self, figures: Iterable[tuple[str, int, int, int]]) -> None:
         """Fleet-wide footprints (backend, bytes used, oldest use, entries), so cache-room ranks count

@@ -24,7 +24,7 @@ from prefix_router.routing.config import BalanceConfig, FirstPlacement
 from prefix_router.routing.decision import Branch, Candidates, Decision
 from prefix_router.routing.footprint import FootprintLedgers
 from prefix_router.routing.keys import RoutingKey
-from prefix_router.routing.load import LoadTracker, least_bound, load_bound
+from prefix_router.routing.load import LoadTracker, follow_limit, least_bound, load_bound
 from prefix_router.routing.policies.baseline import least_loaded
 from prefix_router.routing.prefill import PendingPrefills
 from prefix_router.routing.prefix_index import PrefixIndex
@@ -74,7 +74,7 @@ class PrefixPolicy:
         # At or under this a backend fits whatever the fleet's load; without spill, always.
         self._under_floor = least_bound(config.max_inflight, config.load_floor) if config.spill else math.inf
         # An owner of the request's prefix takes it up to this (see the module's docstring).
-        self._follow_limit = config.max_inflight if config.spill else math.inf
+        self._follow_limit = follow_limit(config.max_inflight, config.spill)
         self._index = index
         self._ledgers = ledgers
         self._by_room = ledgers is not None and config.first_placement is FirstPlacement.CACHE_ROOM
