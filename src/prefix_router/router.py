@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import random
+from collections.abc import Awaitable
 from typing import Any
 
 import orjson
@@ -185,6 +186,11 @@ class RouterApp:
         await self.upstream.start()
         prober = HealthProber(self.settings.health, self.backends, self.upstream)
         self._spawn(prober.run(), "health")
+        # What the listener should know when it opens, read side by side (each bounded by its own
+        # timeout): the models each backend serves, so the first requests of a fleet of several
+        # models go to their own backends, and each cache's KV capacity, so the first placements weigh
+        # its room rather than an unknown, unbounded one.
+        first_reads: list[Awaitable[None]] = []
         if self.settings.models.probe:
             m = self.settings.models
             self._model_prober = ModelProber(
@@ -195,13 +201,8 @@ class RouterApp:
                 interval_s=self.settings.health.interval_s,
                 timeout_s=m.timeout_s,
             )
-            # Asked before the listener opens (bounded by timeout_s), so the first requests of a fleet
-            # of several models already go to their own backends.
-            await self._model_prober.probe(self.backends.live_urls())
-            self._spawn(self._model_prober.run(asked=True), "models")
-        discovery = build_discovery(self.settings.discovery, self._static)
-        if discovery is not None:
-            self._spawn(discovery.run(self._discovered), "discovery")
+            first_reads.append(self._model_prober.probe(self.backends.live_urls()))
+        capacity: KvCapacityProbe | None = None
         if self.picker.ledgers is not None:
             capacity = KvCapacityProbe(
                 self.backends,
@@ -213,10 +214,15 @@ class RouterApp:
                 interval_s=self.settings.health.interval_s,
                 timeout_s=self.settings.health.timeout_s,
             )
-            # Read before the listener opens (bounded by the probe's timeout), so the first placements
-            # after a start already weigh each cache's room rather than an unknown, unbounded one.
-            await capacity.probe_due()
+            first_reads.append(capacity.probe_due())
+        await asyncio.gather(*first_reads)
+        if self._model_prober is not None:
+            self._spawn(self._model_prober.run(asked=True), "models")
+        if capacity is not None:
             self._spawn(capacity.run(), "kv_capacity")
+        discovery = build_discovery(self.settings.discovery, self._static)
+        if discovery is not None:
+            self._spawn(discovery.run(self._discovered), "discovery")
         if self.shared is not None:
             self._spawn(self.shared.run(), "shared_state")
         if self.settings.load_signal.enabled:
