@@ -201,9 +201,26 @@ def cpu_seconds(pid: int) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
-def busy_seconds() -> float:
-    """CPU seconds spent busy by the whole machine (all CPUs) since boot, from /proc/stat."""
-    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+def kernel_cpu_seconds(pid: int) -> float:
+    """stime of a process (all its threads): its CPU seconds in the kernel, from /proc/PID/stat."""
+    raw = Path(f"/proc/{pid}/stat").read_text()
+    return int(raw[raw.rindex(")") + 2 :].split()[12]) / os.sysconf("SC_CLK_TCK")
+
+
+def runqueue_wait_seconds(pid: int) -> float:
+    """Seconds the process's main thread was runnable but waiting for a CPU (another task held it),
+    from /proc/PID/schedstat (0.0 where the kernel does not keep schedstats)."""
+    try:
+        return int(Path(f"/proc/{pid}/schedstat").read_text().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def busy_seconds(cpu: int | None = None) -> float:
+    """CPU seconds spent busy by all CPUs, or by CPU `cpu` alone, since boot, from /proc/stat."""
+    lines = Path("/proc/stat").read_text().splitlines()
+    name = "cpu" if cpu is None else f"cpu{cpu}"
+    fields = next(line for line in lines if line.split(maxsplit=1)[0] == name).split()[1:]
     user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[:8])
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
