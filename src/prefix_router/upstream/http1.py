@@ -367,8 +367,13 @@ class Connection(asyncio.Protocol):
             # A head or a trailer section still going past the limit: refused now, not at the
             # first-byte timeout, before the parser holds (and re-copies) any more of it.
             error = self._refuse("trailer section" if self.has_head() else "head")
-        if self._buffered and self._sink is not None:
-            self._flush_body()
+        pieces = self._buffered
+        if pieces and self._sink is not None:
+            if len(pieces) == 1 and self._got_body:
+                # The hot path of a stream: one read, one chunk, straight on (no call of _flush_body).
+                self._sink(pieces.pop())
+            else:
+                self._flush_body()
         if error is not None:
             self.fail(error)
 
