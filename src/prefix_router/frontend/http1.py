@@ -120,6 +120,7 @@ class Http1Exchange:
         "_head",
         "_mode",
         "_reserved",
+        "_transport",
         "backend",
         "body",
         "branch",
@@ -155,6 +156,7 @@ class Http1Exchange:
         reserved: int = 0,
     ) -> None:
         self._conn = conn
+        self._transport = conn.transport  # set once, in connection_made, before any request is parsed
         self._reserved = reserved  # bytes of the body budget this request holds
         self.waiting = False  # whole, but its body waits for room in the budget
         self.target = url  # as sent: the backend sees exactly this, even a trailing "?"
@@ -247,7 +249,7 @@ class Http1Exchange:
         if self._head:
             data = self._head + data
             self._head = b""
-        transport = self._conn.transport
+        transport = self._transport
         if transport is not None and not transport.is_closing():
             transport.write(data)
 
