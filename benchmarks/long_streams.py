@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import random
 import resource
@@ -78,6 +79,75 @@ ROUTER_ENV = {
     "PREFIX_ROUTER_UPSTREAM__MAX_CONNECTIONS_PER_BACKEND": "1000000",
     "PREFIX_ROUTER_SERVER__LOG_LEVEL": "warning",
 }
+
+
+# The router's child process under --trace-loop: a 5 ms timer in its event loop and the garbage
+# collector, written down on CLOCK_MONOTONIC (perf_counter, as this process reads it too). For each
+# tick more than 10 ms late: how much of the gap the router ran and how much it waited for its CPU
+# (/proc/self/schedstat); for each collection: when, how long, which generation.
+_LOOP_TRACE_WRAPPER = r"""
+import asyncio, gc, json, os, sys, time
+out = open(os.environ["LONG_STREAMS_LOOP_TRACE"], "w", buffering=1)
+def schedstat():
+    with open("/proc/self/schedstat") as f:
+        ran, waited = f.read().split()[:2]
+    return int(ran) / 1e9, int(waited) / 1e9
+gc_started = [0.0]
+def on_gc(phase, info):
+    now = time.perf_counter()
+    if phase == "start":
+        gc_started[0] = now
+    else:
+        out.write(json.dumps(["gc", gc_started[0], now - gc_started[0], info["generation"]]) + "\n")
+gc.callbacks.append(on_gc)
+def watch(loop, period_s=0.005):
+    last = [time.perf_counter(), *schedstat()]
+    def tick():
+        now = time.perf_counter()
+        ran, waited = schedstat()
+        late = now - last[0] - period_s
+        if late > 0.010:
+            out.write(json.dumps(["late", now, late, ran - last[1], waited - last[2]]) + "\n")
+        last[:] = [now, ran, waited]
+        loop.call_later(period_s, tick)
+    loop.call_later(period_s, tick)
+import prefix_router.runtime as runtime
+tune_gc = runtime.tune_gc
+def tune_gc_and_watch():
+    tune_gc()
+    watch(asyncio.get_running_loop())
+runtime.tune_gc = tune_gc_and_watch  # serve() calls it once, in the loop
+from prefix_router.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+TRACE_PERIOD_S = 0.005
+
+
+def summarize_loop_trace(path: Path, start: float, end: float) -> dict[str, Any]:
+    """What the router's late ticks between `start` and `end` were made of (see _LOOP_TRACE_WRAPPER)."""
+    late: list[tuple[float, float, float, float]] = []  # (at, late, ran, waited), seconds
+    collected: list[tuple[float, float, int]] = []  # (at, took, generation)
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        if rec[0] == "late" and start <= rec[1] <= end:
+            late.append((rec[1], rec[2], rec[3], rec[4]))
+        elif rec[0] == "gc" and start <= rec[1] <= end:
+            collected.append((rec[1], rec[2], rec[3]))
+    in_late = sum(
+        took
+        for at, took, _ in collected
+        if any(t - gap - TRACE_PERIOD_S <= at <= t for t, gap, _, _ in late)
+    )
+    ms = 1000.0
+    return {
+        "late_ticks": len(late),
+        "late_ms": sum(gap for _, gap, _, _ in late) * ms,
+        "ran_ms": sum(ran for _, _, ran, _ in late) * ms,
+        "runqueue_wait_ms": sum(waited for _, _, _, waited in late) * ms,
+        "gc_in_late_ms": in_late * ms,
+        "gc_collections": [sum(1 for c in collected if c[2] == g) for g in range(3)],
+        "gc_longest_ms": max((took for _, took, _ in collected), default=0.0) * ms,
+    }
 
 
 # -- the load: backend and client in one loop, one clock ---------------------------------------------
@@ -288,7 +358,13 @@ def open_fds(pid: int) -> int:
 
 
 async def run_phase(
-    name: str, port: int, run: Run, args: argparse.Namespace, backend_pid: int, router_pid: int | None
+    name: str,
+    port: int,
+    run: Run,
+    args: argparse.Namespace,
+    backend_pid: int,
+    router_pid: int | None,
+    loop_trace: Path | None = None,
 ) -> dict[str, Any]:
     """Open --streams streams to `port`, hold them --hold-s seconds while measuring, then close them."""
     loop = asyncio.get_running_loop()
@@ -398,6 +474,8 @@ async def run_phase(
                 max(0.0, on_router_core - router_cpu) / held_s if on_router_core is not None else None
             ),
         )
+    if loop_trace is not None:
+        out["loop_trace"] = summarize_loop_trace(loop_trace, started, started + held_s)
     return out
 
 
@@ -438,9 +516,13 @@ def raise_fd_limit(needed: int) -> int:
     return hard
 
 
-def start_router(work: Path, backend_port: int, cpus: str | None) -> RouterProcess:
+def start_router(work: Path, backend_port: int, cpus: str | None, loop_trace: Path | None) -> RouterProcess:
     flags = ["--backend", f"http://127.0.0.1:{backend_port}"]
-    router = launch_router(flags, work / "prefix-router.log", env=clean_env(**ROUTER_ENV), cpus=cpus)
+    env = clean_env(**ROUTER_ENV)
+    if loop_trace is not None:
+        env["LONG_STREAMS_LOOP_TRACE"] = str(loop_trace)
+    code = _LOOP_TRACE_WRAPPER if loop_trace is not None else None
+    router = launch_router(flags, work / "prefix-router.log", env=env, cpus=cpus, python_code=code)
     router.wait_ready()
     return router
 
@@ -471,10 +553,13 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
         backend, backend_port = start_backend(work, args)
         procs.append(backend)
         results.append(await run_phase("direct", backend_port, Run(), args, backend.pid, None))
-        router = await asyncio.to_thread(start_router, work, backend_port, args.router_cpus)
+        trace = work / "loop-trace.jsonl" if args.trace_loop else None
+        router = await asyncio.to_thread(start_router, work, backend_port, args.router_cpus, trace)
         procs.append(router.proc)
         await asyncio.sleep(1.0)  # its start-up health probe
-        results.append(await run_phase("prefix-router", router.port, Run(), args, backend.pid, router.pid))
+        results.append(
+            await run_phase("prefix-router", router.port, Run(), args, backend.pid, router.pid, trace)
+        )
     finally:
         stop_processes(procs)
         shutil.rmtree(work, ignore_errors=True)
@@ -509,6 +594,11 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--quick", action="store_true", help="1,000 streams held 5 s: a smoke run")
     p.add_argument("--no-save", action="store_true", help="do not write benchmarks/results/*.json")
+    p.add_argument(
+        "--trace-loop",
+        action="store_true",
+        help="time a 5 ms timer in the router's loop and its garbage collections: what each late tick was",
+    )
     p.add_argument("--serve-backend", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve_backend is not None:
@@ -625,6 +715,15 @@ def main() -> int:
         "\nrun-queue wait: time the router was ready to run while another process held its CPU; "
         "delays it explains are the machine's, not the router's."
     )
+    trace = routed.get("loop_trace")
+    if trace is not None:
+        n0, n1, n2 = trace["gc_collections"]
+        print(
+            f"\nloop trace (hold): {trace['late_ticks']} ticks of a 5 ms timer more than 10 ms late, "
+            f"{trace['late_ms']:.0f} ms late in all: {trace['runqueue_wait_ms']:.0f} ms of it waiting for "
+            f"the CPU, {trace['ran_ms']:.0f} ms running, {trace['gc_in_late_ms']:.0f} ms collecting; "
+            f"collections {n0} / {n1} / {n2} (gen 0 / 1 / 2), the longest {trace['gc_longest_ms']:.1f} ms"
+        )
     report_results("long_streams", {**meta, "args": vars(args), "results": results}, save=not args.no_save)
     return 0
 
