@@ -134,9 +134,7 @@ def summarize_loop_trace(path: Path, start: float, end: float) -> dict[str, Any]
         elif rec[0] == "gc" and start <= rec[1] <= end:
             collected.append((rec[1], rec[2], rec[3]))
     in_late = sum(
-        took
-        for at, took, _ in collected
-        if any(t - gap - TRACE_PERIOD_S <= at <= t for t, gap, _, _ in late)
+        took for at, took, _ in collected if any(t - gap - TRACE_PERIOD_S <= at <= t for t, gap, _, _ in late)
     )
     ms = 1000.0
     return {
