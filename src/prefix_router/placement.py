@@ -29,7 +29,14 @@ from prefix_router.routing.keys import RoutingKey
 from prefix_router.routing.load import Lease
 from prefix_router.routing.picker import Picker
 from prefix_router.routing.ring import HashRing
-from prefix_router.routing.shared_view import ClaimAnswer, ClaimRequest, Takeover, claim_request, resolve
+from prefix_router.routing.shared_view import (
+    ClaimAnswer,
+    ClaimRequest,
+    Takeover,
+    after_prefill,
+    claim_request,
+    resolve,
+)
 from prefix_router.waiters import wake_first
 
 
@@ -64,28 +71,29 @@ class SharedStore(Protocol):
 
     def take_over(self, takeover: Takeover, request: ClaimRequest, target_capacity_bytes: float) -> None: ...
 
-    def prefilled(self, mark: str, request: ClaimRequest) -> None: ...
+    def prefilled(self, mark: str, request: ClaimRequest, backend_id: str) -> None: ...
 
-    async def wait_prefilled(self, mark: str, timeout_s: float) -> str | None: ...
+    async def wait_prefilled(self, mark: str, timeout_s: float) -> tuple[str, str] | None: ...
 
 
 class SharedMark:
     """The blocks one attempt marked pending in the shared store: their end is said once, at the first
     byte or when the attempt ends, as a PrefillHold's."""
 
-    __slots__ = ("_mark", "_request", "_said", "_store")
+    __slots__ = ("_mark", "_request", "_said", "_store", "backend_id")
 
-    def __init__(self, store: SharedStore, mark: str, request: ClaimRequest) -> None:
+    def __init__(self, store: SharedStore, mark: str, request: ClaimRequest, backend_id: str) -> None:
         self._store = store
         self._mark = mark
         self._request = request
+        self.backend_id = backend_id
         self._said = False
 
     def release(self) -> None:
         if self._said:
             return
         self._said = True
-        self._store.prefilled(self._mark, self._request)
+        self._store.prefilled(self._mark, self._request, self.backend_id)
 
 
 class CapacityWaiters:
@@ -417,20 +425,32 @@ class Placer:
             picker.shared_footprints(answer.figures)
         if resolution.takeover is not None:
             shared.take_over(resolution.takeover, request, request.capacity_bytes)
-        mark = SharedMark(shared, request.mark, request) if answer.marked else None
-        if resolution.wait_for:
-            # Nothing is held yet (no lease, no hold): a cancelled wait leaks only the mark, which
-            # the finally says ended.
-            try:
-                began = time.perf_counter()
-                outcome = await shared.wait_prefilled(resolution.wait_for, self._config.prefill_wait_s)
-                if outcome is not None:
-                    self._waits.prefill_waited(outcome, time.perf_counter() - began)
-            except BaseException:
-                if mark is not None:
-                    mark.release()
-                raise
-        return resolution.decision, mark
+        decision = resolution.decision
+        mark = SharedMark(shared, request.mark, request, decision.backend_id) if answer.marked else None
+        if not resolution.wait_for:
+            return decision, mark
+        # Nothing is held yet (no lease, no hold): a cancelled wait leaks only the mark, said ended.
+        try:
+            began = time.perf_counter()
+            ended = await shared.wait_prefilled(resolution.wait_for, self._config.prefill_wait_s)
+        except BaseException:
+            if mark is not None:
+                mark.release()
+            raise
+        if ended is None:
+            return decision, mark
+        outcome, prefilled_on = ended
+        self._waits.prefill_waited(outcome, time.perf_counter() - began)
+        moved = after_prefill(
+            decision, prefilled_on, candidates.members, lambda b: picker.may_follow(b, candidates, load)
+        )
+        if moved is not decision:
+            # What the claim gave the old choice goes where the request goes.
+            takeover = Takeover(decision.backend_id, moved.backend_id, answer.depth)
+            shared.take_over(takeover, request, request.capacity_bytes)
+            if mark is not None:
+                mark.backend_id = moved.backend_id
+        return moved, mark
 
     async def _wait_for_prefill(self, ticket: int) -> None:
         assert self._holds is not None

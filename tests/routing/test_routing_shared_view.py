@@ -17,6 +17,7 @@ from prefix_router.routing.ring import HashRing, Member
 from prefix_router.routing.shared_view import (
     ClaimAnswer,
     Takeover,
+    after_prefill,
     claim_request,
     parse_answer,
     resolve,
@@ -257,3 +258,19 @@ def test_the_answers_own_figures_pick_again_where_the_local_pick_was_stale(
     resolution = resolve(local, claimed, {"X", "Y", "Z"}, fitting.__contains__, repick)
     assert (resolution.decision, resolution.takeover) == (decision, takeover)
     assert len(picked) == picks
+
+
+@pytest.mark.parametrize(
+    ("prefilled_on", "usable", "fitting", "decision"),
+    [
+        pytest.param("X", {"X", "Y"}, {"X", "Y"}, LOCAL, id="where-it-was-going"),
+        pytest.param("Y", {"X", "Y"}, {"X", "Y"}, Decision("Y", Branch.PREFIX_MATCH), id="it-moved-go-there"),
+        pytest.param("Y", {"X", "Y"}, {"X"}, LOCAL, id="it-moved-to-a-backend-at-its-bound"),
+        pytest.param("Y", {"X"}, {"X", "Y"}, LOCAL, id="it-moved-to-a-backend-not-usable"),
+        pytest.param("", {"X", "Y"}, {"X", "Y"}, LOCAL, id="nobody-said-where"),
+    ],
+)
+def test_a_request_goes_where_the_prefill_it_waited_for_ended(
+    prefilled_on: str, usable: set[str], fitting: set[str], decision: Decision
+) -> None:
+    assert after_prefill(LOCAL, prefilled_on, usable, fitting.__contains__) == decision

@@ -242,12 +242,12 @@ async def test_a_prefill_one_replica_opens_is_waited_for_by_another_until_its_en
     waiter = asyncio.ensure_future(b.wait_prefilled(mark, 5.0))
     await asyncio.sleep(0.1)
     assert not waiter.done()
-    a.prefilled(mark, first)  # A's first byte came
-    assert await asyncio.wait_for(waiter, 5.0) == "ready"
+    a.prefilled(mark, first, "W")  # A's first byte came, on W: A's request went there after all
+    assert await asyncio.wait_for(waiter, 5.0) == ("ready", "W")
     assert await raw.get(f"{NAMESPACE}p:3") is None
     assert await raw.get(f"{NAMESPACE}p:4") == other  # another prefill's mark stays
     # An end heard before the wait began (the answer came after the message) is not waited for.
-    assert await asyncio.wait_for(b.wait_prefilled(mark, 5.0), 1.0) == "ready"
+    assert await asyncio.wait_for(b.wait_prefilled(mark, 5.0), 1.0) == ("ready", "W")
     after = await claimed(b, ClaimRequest((1, 2, 3, 6), (100,) * 4, "0111", "Y", BIG, (), "", True))
     assert after.wait_for == ""
 
@@ -271,7 +271,7 @@ async def test_a_wait_ends_at_its_bound_and_when_the_subscription_is_lost(
 ) -> None:
     shared = await store(prefill_wait_s=5.0, reconnect_interval_s=0.1)
     await eventually(lambda: shared.can_wait)
-    assert await shared.wait_prefilled("nobody:1", 0.2) == "timeout"
+    assert await shared.wait_prefilled("nobody:1", 0.2) == ("timeout", "")
     waiter = asyncio.ensure_future(shared.wait_prefilled("nobody:2", 30.0))
     await asyncio.sleep(0.1)
     redis_server.kill()

@@ -263,15 +263,16 @@ return 1
 )
 
 
-# ARGV: namespace, the mark, the request's blocks. The prefill under that mark ended (its first byte,
-# or the attempt's end): its marks go, and every replica hears it on `prefilled`.
+# ARGV: namespace, the mark, the request's blocks, the backend it went to. The prefill under that
+# mark ended (its first byte, or the attempt's end): its marks go, and every replica hears the mark
+# and the backend (which the waiters go to: it may not be the owner their claim named) on `prefilled`.
 PREFILLED_SCRIPT = """
 local ns, mark = ARGV[1], ARGV[2]
 for block in string.gmatch(ARGV[3], '[^\\n]+') do
   local key = ns .. 'p:' .. block
   if redis.call('GET', key) == mark then redis.call('DEL', key) end
 end
-return redis.call('PUBLISH', ns .. 'prefilled', mark)
+return redis.call('PUBLISH', ns .. 'prefilled', mark .. '\\n' .. ARGV[4])
 """
 
 # ARGV: namespace, this replica, its in-flight pairs, their lifetime (ms).
@@ -335,8 +336,8 @@ class SharedPlacement:
         self.background_calls = 0
         self.load_writes = 0  # of which: this replica's counts, when no claim carried them
         self._subscribed = False
-        self._waiting: dict[str, list[asyncio.Future[bool]]] = {}
-        self._ended: OrderedDict[str, None] = OrderedDict()
+        self._waiting: dict[str, list[asyncio.Future[str | None]]] = {}
+        self._ended: OrderedDict[str, str] = OrderedDict()  # mark -> the backend that prefilled
         pool = BlockingConnectionPool.from_url(
             url,
             max_connections=MAX_CONNECTIONS,
@@ -413,7 +414,7 @@ class SharedPlacement:
         for task in list(self._pending):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        self._wake_all(False)
+        self._wake_all()
         if self._up and self._load is not None:
             # This replica's counts go with it, rather than for LOAD_TTL_S after it.
             with contextlib.suppress(Exception):
@@ -457,34 +458,36 @@ class SharedPlacement:
         self._sent_at = asyncio.get_running_loop().time()
         return answer
 
-    def prefilled(self, mark: str, request: ClaimRequest) -> None:
-        """The prefill under `mark` ended: its marks go and the replicas hear it (background)."""
+    def prefilled(self, mark: str, request: ClaimRequest, backend_id: str) -> None:
+        """The prefill under `mark` on `backend_id` ended: its marks go and the replicas hear it
+        (background)."""
         if not self._up or not mark:
             return
-        args: list[str | int] = [self._namespace, mark, "\n".join(map(str, request.blocks))]
+        args: list[str | int] = [self._namespace, mark, "\n".join(map(str, request.blocks)), backend_id]
         self._background(self._prefilled, args)
 
-    async def wait_prefilled(self, mark: str, timeout_s: float) -> str | None:
-        """Wait for the end of another replica's prefill: 'ready', 'timeout', or None when its end
-        cannot be heard (no subscription, or it was lost while waiting)."""
-        if mark in self._ended:
-            return "ready"
+    async def wait_prefilled(self, mark: str, timeout_s: float) -> tuple[str, str] | None:
+        """Wait for the end of another replica's prefill: ('ready', the backend that prefilled) or
+        ('timeout', ''); None when its end cannot be heard (no subscription, or it was lost)."""
+        ended = self._ended.get(mark)
+        if ended is not None:
+            return "ready", ended
         if not self._subscribed:
             return None
-        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
         self._waiting.setdefault(mark, []).append(fut)
         try:
             async with asyncio.timeout(timeout_s):
-                heard = await fut
+                backend = await fut
         except TimeoutError:
-            return "timeout"
+            return "timeout", ""
         finally:
             waiting = self._waiting.get(mark)
             if waiting is not None and fut in waiting:
                 waiting.remove(fut)
                 if not waiting:
                     del self._waiting[mark]
-        return "ready" if heard else None
+        return None if backend is None else ("ready", backend)
 
     async def _listen(self) -> None:
         """Hold the `prefilled` subscription while the store is up; wake the waiters of each mark."""
@@ -507,26 +510,28 @@ class SharedPlacement:
                 self._count(exc)
             finally:
                 self._subscribed = False
-                self._wake_all(False)  # nobody will say these prefills ended: stop waiting for them
+                self._wake_all()
                 with contextlib.suppress(Exception):
                     await pubsub.aclose()  # type: ignore[no-untyped-call]
             await asyncio.sleep(self._reconnect_interval_s)
 
     def _heard(self, data: object) -> None:
-        mark = data.decode("utf-8", "replace") if isinstance(data, bytes) else str(data)
-        self._ended[mark] = None
+        text = data.decode("utf-8", "replace") if isinstance(data, bytes) else str(data)
+        mark, _, backend = text.partition("\n")
+        self._ended[mark] = backend
         if len(self._ended) > ENDED_KEPT:
             self._ended.popitem(last=False)
         for fut in self._waiting.pop(mark, ()):
             if not fut.done():
-                fut.set_result(True)
+                fut.set_result(backend)
 
-    def _wake_all(self, heard: bool) -> None:
+    def _wake_all(self) -> None:
+        """Nobody will say these prefills ended: stop waiting for them."""
         waiting, self._waiting = self._waiting, {}
         for futs in waiting.values():
             for fut in futs:
                 if not fut.done():
-                    fut.set_result(heard)
+                    fut.set_result(None)
 
     async def _flush_load(self, load: LoadTracker) -> None:
         """Write this replica's counts when they changed and no claim carried them for LOAD_FLUSH_S,

@@ -148,6 +148,16 @@ def resolve(
     return Resolution(instead, Takeover(chosen, instead.backend_id, after))
 
 
+def after_prefill(
+    decision: Decision, prefilled_on: str, usable: Collection[str], may_follow: Callable[[str], bool]
+) -> Decision:
+    """Where a request goes once the prefill it waited for ended on `prefilled_on`: there, when it
+    may (the prefill's own request may have moved off the owner the claim named), else as decided."""
+    if prefilled_on == decision.backend_id or prefilled_on not in usable or not may_follow(prefilled_on):
+        return decision
+    return Decision(prefilled_on, Branch.PREFIX_MATCH)
+
+
 NO_MARK = "-"  # in a reply: no pending prefill to wait for
 
 
