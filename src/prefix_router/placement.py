@@ -36,6 +36,7 @@ from prefix_router.routing.shared_view import (
     after_prefill,
     claim_request,
     resolve,
+    stale_follow,
 )
 from prefix_router.waiters import wake_first
 
@@ -414,6 +415,8 @@ class Placer:
             return local, None
         load.set_peers(answer.peers)
         picker.shared_footprints(answer.figures_before())
+        if stale_follow(local, answer):
+            picker.forget_placed(key, local.backend_id, answer.depth)
         resolution = resolve(
             local,
             answer,

@@ -21,6 +21,7 @@ from prefix_router.routing.shared_view import (
     claim_request,
     parse_answer,
     resolve,
+    stale_follow,
 )
 
 
@@ -224,6 +225,10 @@ ROOM_Y = Decision("Y", Branch.CACHE_ROOM)
             id="a-first-placement-moves-only-by-cache-room",
         ),
         pytest.param(
+            FOLLOWED, answer("X", 1, False), {"X", "Y"}, ROOM_Y, ROOM_Y, Takeover("X", "Y", 1), 1,
+            id="a-local-follow-the-store-does-not-confirm-is-a-first-placement",
+        ),
+        pytest.param(
             FOLLOWED, answer("X", 2, True), {"Y"}, ROOM_Y, ROOM_Y, Takeover("X", "Y", 2), 1,
             id="the-local-choice-is-full-on-these-counts",
         ),
@@ -274,3 +279,20 @@ def test_a_request_goes_where_the_prefill_it_waited_for_ended(
     prefilled_on: str, usable: set[str], fitting: set[str], decision: Decision
 ) -> None:
     assert after_prefill(LOCAL, prefilled_on, usable, fitting.__contains__) == decision
+
+
+def test_a_local_follow_the_store_aged_out_is_forgotten() -> None:
+    picker = Picker(BalanceConfig())
+    key = chat("s" * 2000, "q" * 300)
+    picker.placed(key, "X")
+    picker.placed(key, "Y")
+    index = picker.index
+    assert index is not None and index.longest_match(key.blocks) == (len(key.blocks), ("X", "Y"))
+    followed = Decision("X", Branch.PREFIX_MATCH)
+    assert stale_follow(followed, answer("X", 2, False))
+    assert not stale_follow(followed, answer("X", 5, True))  # the store confirms it
+    assert not stale_follow(followed, answer("Y", 5, True))  # the store follows another owner
+    assert not stale_follow(Decision("X", Branch.CACHE_ROOM), answer("X"))
+    picker.forget_placed(key, "X", 2)
+    assert index.longest_match(key.blocks[:2]) == (2, ("X", "Y"))  # what the store still has there
+    assert index.longest_match(key.blocks) == (len(key.blocks), ("Y",))

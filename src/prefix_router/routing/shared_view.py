@@ -116,14 +116,17 @@ def resolve(
     The local decision was taken on the figures of this replica's previous answer; `repick` is the
     local pick again on this answer's (the footprints as they stood before this claim, the other
     replicas' counts now). It decides instead when those put the local choice at max_inflight, and
-    for a first placement (cache room, nobody's prefix followed): replicas placing new prefixes at
-    the same moment would otherwise all take the backend that was roomiest before any of them."""
+    for a first placement, nobody's prefix followed: replicas placing new prefixes at the same moment
+    would otherwise all take the backend that was roomiest before any of them. A local follow the
+    store does not confirm is one too: the store aged the prefix out of that backend (each replica's
+    own ledgers count only its own placements, so its index keeps owners the fleet has evicted); the
+    caller forgets them (Picker.forget_placed) before `repick` runs."""
     chosen = answer.chosen
     first = (
         repick is not None
         and chosen == local.backend_id
         and not answer.followed
-        and local.branch is Branch.CACHE_ROOM
+        and local.branch in (Branch.CACHE_ROOM, Branch.PREFIX_MATCH)
     )
     if chosen == local.backend_id and not first and (repick is None or may_follow(chosen)):
         if answer.followed and local.branch is not Branch.PREFIX_MATCH:
@@ -146,6 +149,11 @@ def resolve(
     # one that is only at its bound keeps what it held before this claim.
     after = answer.depth if chosen in usable else 0
     return Resolution(instead, Takeover(chosen, instead.backend_id, after))
+
+
+def stale_follow(local: Decision, answer: ClaimAnswer) -> bool:
+    """Did this replica follow its own index's owner of a prefix the store no longer places there?"""
+    return local.branch is Branch.PREFIX_MATCH and answer.chosen == local.backend_id and not answer.followed
 
 
 def after_prefill(
