@@ -148,13 +148,15 @@ def test_the_answer_becomes_the_decision(
     "reply",
     [
         pytest.param(b"X\n1\n0\n-\n0", id="too-short"),
-        pytest.param(b"\n1\n0\n-\n0\n0\n1\n2\n3", id="no-backend"),
-        pytest.param(b"X\n1\n0\n\n0\n0\n1\n2\n3", id="no-mark-field"),
-        pytest.param(b"X\n1\n0\n-\n0\n0\nmany\n2\n3", id="not-a-number"),
-        pytest.param(b"X\n1\n0\n-\n0\n0\n1\n2\n3\nB", id="a-peer-without-a-count"),
-        pytest.param(b"X\n1\n0\n-\n0\n0\n1\n2\n3\nB\n-2", id="a-negative-peer-count"),
-        pytest.param(b"X\n1\n0\n-\n0\n0\n1\n2\n3\nB\nlots", id="a-peer-count-not-a-number"),
-        pytest.param([b"X", 1, 0, "-", 0, 0, 1, 2, 3], id="not-a-string"),
+        pytest.param(b"\n1\n0\n-\n0\n0\n-\n1\n2\n3", id="no-backend"),
+        pytest.param(b"X\n1\n0\n\n0\n0\n-\n1\n2\n3", id="no-mark-field"),
+        pytest.param(b"X\n1\n0\n-\n0\n0\n-\nmany\n2\n3", id="not-a-number"),
+        pytest.param(b"X\n1\n0\n-\n0\n0\n-\n1\n2\n3\nB", id="a-peer-without-a-count"),
+        pytest.param(b"X\n1\n0\n-\n0\n0\n-\n1\n2\n3\nB\n-2", id="a-negative-peer-count"),
+        pytest.param(b"X\n1\n0\n-\n0\n0\n-\n1\n2\n3\nB\nlots", id="a-peer-count-not-a-number"),
+        pytest.param(b"X\n1\n1\n-\n0\n0\n01\n1\n2\n3", id="holders-for-two-of-one-listed"),
+        pytest.param(b"X\n1\n1\n-\n0\n0\n2\n1\n2\n3", id="holders-not-bits"),
+        pytest.param([b"X", 1, 0, "-", 0, 0, "-", 1, 2, 3], id="not-a-string"),
     ],
 )
 def test_a_malformed_reply_is_refused(reply: object) -> None:
@@ -163,11 +165,13 @@ def test_a_malformed_reply_is_refused(reply: object) -> None:
 
 
 def test_a_reply_parses() -> None:
-    parsed = parse_answer(b"http://x:1\n2\n1\n-\n0\n0\n300\n17\n3\n0\n-1\n0", ["A", "B"])
+    parsed = parse_answer(b"http://x:1\n2\n1\n-\n0\n0\n-\n300\n17\n3\n0\n-1\n0", ["A", "B"])
     assert parsed == ClaimAnswer("http://x:1", 2, True, (("A", 300, 17, 3), ("B", 0, -1, 0)))
-    waiting = parse_answer(b"A\n2\n1\nr9:4\n1\n40\n300\n17\n3\nA\n5\nC\n1", ["A"])
+    waiting = parse_answer(b"A\n2\n1\nr9:4\n1\n40\n-\n300\n17\n3\nA\n5\nC\n1", ["A"])
     assert waiting == ClaimAnswer("A", 2, True, (("A", 300, 17, 3),), "r9:4", True, (("A", 5), ("C", 1)), 40)
     assert waiting.figures_before() == (("A", 260, 17, 3),)
+    spilled = parse_answer(b"A\n2\n1\n-\n0\n0\n011\n0\n1\n1\n5\n6\n1\n7\n8\n1", ["A", "B", "C"])
+    assert spilled.holders == ("B", "C")
 
 
 def test_shared_footprints_rank_backends_over_what_this_replica_placed() -> None:
@@ -296,3 +300,21 @@ def test_a_local_follow_the_store_aged_out_is_forgotten() -> None:
     picker.forget_placed(key, "X", 2)
     assert index.longest_match(key.blocks[:2]) == (2, ("X", "Y"))  # what the store still has there
     assert index.longest_match(key.blocks) == (len(key.blocks), ("Y",))
+
+
+def test_an_owner_at_its_bound_spills_to_the_next_holder_of_the_prefix_in_the_walk() -> None:
+    holders = ClaimAnswer("X", 3, True, (), holders=("Z", "Y"))
+    usable = {"X", "Y", "Z"}
+
+    def none() -> Decision | None:
+        return None
+
+    spill = resolve(LOCAL, holders, usable, {"Y", "Z"}.__contains__, none)
+    assert spill.decision == Decision("Z", Branch.PREFIX_MATCH) and spill.takeover == Takeover("X", "Z", 3)
+    past = resolve(LOCAL, holders, usable, {"Y"}.__contains__, none)  # Z is at its bound too
+    assert past.decision == Decision("Y", Branch.PREFIX_MATCH) and past.takeover == Takeover("X", "Y", 3)
+    # None of them can take it: the local decision, as before.
+    assert resolve(LOCAL, holders, usable, set().__contains__, none).decision == LOCAL
+    # Not followed (the prefix covers too little): holders do not matter.
+    thin = ClaimAnswer("Y", 1, False, (), holders=("Z",))
+    assert resolve(LOCAL, thin, usable, {"X", "Z"}.__contains__, none).decision == LOCAL

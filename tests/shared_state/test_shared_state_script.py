@@ -317,3 +317,39 @@ async def test_a_replicas_counts_expire_when_it_writes_no_more(store: Any) -> No
 
 async def _peers(shared: SharedPlacement, blocks: list[int]) -> dict[str, int]:
     return dict((await claimed(shared, claim(blocks, "Z"))).peers)
+
+
+async def test_the_answer_names_the_other_backends_that_hold_the_prefix_followed(
+    store: Any, raw: Redis
+) -> None:
+    shared = await store()
+    spilled = claim([1, 2, 3], "X")
+    await claimed(shared, spilled)
+    shared.take_over(Takeover("X", "Y", 3), spilled, BIG)  # X was full: the request went to Y
+
+    async def on_y() -> bool:
+        return await raw.zscore(f"{NAMESPACE}lru:Y", "3") is not None
+
+    await eventually(on_y)
+    answer = await claimed(shared, claim([1, 2, 3, 4], "Z", listed=("W", "Y", "X", "Z")))
+    assert (answer.chosen, answer.followed, answer.holders) == ("X", True, ("Y",))
+    thin = await claimed(shared, claim([1, 2, 3, 5], "Z", follow="0000", listed=("Y",)))
+    assert not thin.followed and thin.holders == ()
+
+
+async def test_a_store_called_down_for_its_timeouts_lets_its_waiters_go(store: Any, raw: Redis) -> None:
+    shared = await store(timeout_s=0.05, prefill_wait_s=30.0)
+    await eventually(lambda: shared.can_wait)
+    waiter = asyncio.ensure_future(shared.wait_prefilled("slow:1", 30.0))
+    spin = (
+        "local t = redis.call('TIME'); local s = t[1] + t[2] / 1e6; while true do"
+        " local n = redis.call('TIME'); if n[1] + n[2] / 1e6 - s > 0.5 then break end end return 1"
+    )
+    busy = asyncio.ensure_future(raw.eval(spin, 0))
+    await asyncio.sleep(0.05)
+    for _ in range(3):  # three timeouts in a row: down
+        assert await shared.claim(claim([1], "X")) is None
+    assert not shared.up and not shared.can_wait
+    # The end of that prefill may never be heard now: the request goes on, not after 30 s.
+    assert await asyncio.wait_for(waiter, 1.0) is None
+    await busy

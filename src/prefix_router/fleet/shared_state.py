@@ -57,6 +57,7 @@ MAX_CONNECTIONS = 64  # to the store, per replica; a request waits for one withi
 LOAD_TTL_S = 3.0  # a replica's in-flight counts outlive its last write by this much, then count as none
 LOAD_FLUSH_S = 0.1  # counts changed and no claim carried them for this long: written in the background
 ENDED_KEPT = 1024  # prefills whose end was heard, kept for a waiter whose claim answer comes after it
+BACKGROUND_TIMEOUT_S = 1.0  # at least, for calls no request waits on: a slow store may still take them
 
 # Shared by both scripts: note blocks as just used by a backend, newest first (a prefix's shallow
 # blocks end most recently used, so eviction trims prefixes from their tails), then evict its least
@@ -147,7 +148,8 @@ end
 # their sizes, the listed backends, the request's mark ('' none), wait ('1': report a pending prefill),
 # marks' lifetime (ms), this replica, its in-flight pairs, their lifetime (ms). The reply is one
 # newline-joined string: chosen, depth, followed, the mark to wait for ('-' none), marked, the bytes
-# this claim added to the chosen backend's footprint; bytes used,
+# this claim added to the chosen backend's footprint, which listed backends also hold the prefix
+# followed (one '0' or '1' each; '-' when none was followed); bytes used,
 # oldest use and entries of each listed backend; then backend and count pairs of the others' in-flight
 # requests. The replica's own counts are written with its request counted on the chosen backend.
 CLAIM_SCRIPT = (
@@ -210,7 +212,18 @@ if not counted then
   pairs[#pairs + 1] = '1'
 end
 write_load(me, pairs, load_ttl)
-local reply = {chosen, depth, followed, wait_for, marked, added}
+-- Which listed backends besides the owner hold the prefix followed (their footprints have its deepest
+-- block): where the request goes, in the walk's order, when the owner is at its bound.
+local holders = '-'
+if followed == 1 and m > 0 then
+  local bits = {}
+  for j = 1, m do
+    local held = listed[j] ~= chosen and redis.call('ZSCORE', ns .. 'lru:' .. listed[j], blocks[depth])
+    bits[j] = held and '1' or '0'
+  end
+  holders = table.concat(bits)
+end
+local reply = {chosen, depth, followed, wait_for, marked, added, holders}
 if m > 0 then
   local used = redis.call('HMGET', ns .. 'used', unpack(listed))
   local counts = redis.call('HMGET', ns .. 'count', unpack(listed))
@@ -378,7 +391,7 @@ class SharedPlacement:
     @property
     def can_wait(self) -> bool:
         """Would the end of another replica's prefill be heard now (the subscription is open)?"""
-        return self._subscribed
+        return self._subscribed and self._up
 
     def new_mark(self) -> str:
         """A mark for the prefill one request may open; '' when waits are off."""
@@ -461,8 +474,10 @@ class SharedPlacement:
     def prefilled(self, mark: str, request: ClaimRequest, backend_id: str) -> None:
         """The prefill under `mark` on `backend_id` ended: its marks go and the replicas hear it
         (background)."""
-        if not self._up or not mark:
+        if not mark:
             return
+        # Even while the store is called down (it may only be slow): other replicas' requests may be
+        # waiting for this, until prefill_wait_s.
         args: list[str | int] = [self._namespace, mark, "\n".join(map(str, request.blocks)), backend_id]
         self._background(self._prefilled, args)
 
@@ -577,7 +592,7 @@ class SharedPlacement:
 
     async def _call(self, script: AsyncScript, args: Sequence[str | int]) -> None:
         try:
-            async with asyncio.timeout(self._timeout_s):
+            async with asyncio.timeout(max(self._timeout_s, BACKGROUND_TIMEOUT_S)):
                 await script(args=list(args))
         except Exception as exc:
             self._failed(exc)
@@ -619,6 +634,8 @@ class SharedPlacement:
 
     def _mark(self, up: bool, exc: BaseException | None = None) -> None:
         self._up = up
+        if not up:
+            self._wake_all()  # the prefills they wait for may never be said to end
         self._timeouts = 0
         self.up_gauge.set(1 if up else 0)
         if self._said is up:

@@ -52,6 +52,7 @@ class ClaimAnswer:
     marked: bool = False  # blocks were marked pending under the request's mark (its end must be said)
     peers: tuple[tuple[str, int], ...] = ()  # the other replicas' requests in flight, per backend
     added: int = 0  # bytes this claim added to the chosen backend's footprint (in `figures` already)
+    holders: tuple[str, ...] = ()  # other listed backends holding the prefix followed, in walk order
 
     def figures_before(self) -> tuple[tuple[str, int, int, int], ...]:
         """`figures` as they stood before this claim: what a first placement compares."""
@@ -134,6 +135,15 @@ def resolve(
         return Resolution(local, None, answer.wait_for)
     if chosen != local.backend_id and chosen in usable and may_follow(chosen):
         return Resolution(Decision(chosen, Branch.PREFIX_MATCH), None, answer.wait_for)
+    after = answer.depth if chosen in usable else 0
+    if answer.followed:
+        # The owner cannot take it: another backend that holds the prefix, in the walk's order (every
+        # replica spills a hot prefix to the same one, as one router spills to its index's next owner).
+        for holder in answer.holders:
+            if holder in usable and may_follow(holder):
+                if holder == local.backend_id:
+                    return Resolution(local, Takeover(chosen, holder, after))
+                return Resolution(Decision(holder, Branch.PREFIX_MATCH), Takeover(chosen, holder, after))
     instead = local
     if repick is not None and (first or not may_follow(local.backend_id)):
         again = repick()
@@ -147,7 +157,6 @@ def resolve(
         return Resolution(instead, None, answer.wait_for)
     # A backend that cannot take requests (gone, ejected, draining) loses every block it owns here;
     # one that is only at its bound keeps what it held before this claim.
-    after = answer.depth if chosen in usable else 0
     return Resolution(instead, Takeover(chosen, instead.backend_id, after))
 
 
@@ -171,8 +180,9 @@ NO_MARK = "-"  # in a reply: no pending prefill to wait for
 
 def parse_answer(reply: object, listed: Sequence[str]) -> ClaimAnswer:
     """The claim script's reply, one newline-joined string: chosen, depth, followed, the mark to wait
-    for (NO_MARK: none), marked, bytes added to the chosen backend's footprint; bytes used, oldest use
-    and entries of each listed backend; then pairs
+    for (NO_MARK: none), marked, bytes added to the chosen backend's footprint, the listed backends
+    that hold the prefix followed ('0'/'1' each, NO_MARK: none followed); bytes used, oldest use and
+    entries of each listed backend; then pairs
     of backend and the other replicas' requests in flight there. Raises ValueError when it is not
     that shape."""
     if isinstance(reply, bytes):
@@ -180,12 +190,16 @@ def parse_answer(reply: object, listed: Sequence[str]) -> ClaimAnswer:
     if not isinstance(reply, str):
         raise ValueError(f"claim reply is {type(reply).__name__}, not a string")
     items = reply.split("\n")
-    head = 6 + 3 * len(listed)
+    head = 7 + 3 * len(listed)
     if len(items) < head or (len(items) - head) % 2 or not items[0] or not items[3]:
         raise ValueError(f"claim reply has {len(items)} items for {len(listed)} backends")
     # int() raises ValueError on anything but a number
     depth, followed, marked, added = int(items[1]), int(items[2]), int(items[4]), int(items[5])
-    numbers = [int(item) for item in items[6:head]]
+    numbers = [int(item) for item in items[7:head]]
+    bits = items[6]
+    if bits != NO_MARK and (len(bits) != len(listed) or bits.strip("01")):
+        raise ValueError("claim reply's holders do not match the backends listed")
+    holders = tuple(b for b, bit in zip(listed, bits, strict=False) if bit == "1") if bits != NO_MARK else ()
     figures = tuple(
         (backend, numbers[3 * i], numbers[1 + 3 * i], numbers[2 + 3 * i]) for i, backend in enumerate(listed)
     )
@@ -194,4 +208,4 @@ def parse_answer(reply: object, listed: Sequence[str]) -> ClaimAnswer:
     if any(not backend or count < 0 for backend, count in peers):
         raise ValueError("claim reply names a backend without a name or a count below 0")
     wait_for = "" if items[3] == NO_MARK else items[3]
-    return ClaimAnswer(items[0], depth, followed == 1, figures, wait_for, marked == 1, peers, added)
+    return ClaimAnswer(items[0], depth, followed == 1, figures, wait_for, marked == 1, peers, added, holders)
