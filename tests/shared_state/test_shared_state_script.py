@@ -353,3 +353,10 @@ async def test_a_store_called_down_for_its_timeouts_lets_its_waiters_go(store: A
     # The end of that prefill may never be heard now: the request goes on, not after 30 s.
     assert await asyncio.wait_for(waiter, 1.0) is None
     await busy
+
+
+async def test_the_subscription_opens_as_soon_as_the_store_answers(store: Any) -> None:
+    # Not after a reconnect interval: a router's first requests would otherwise never wait for the
+    # prefills other routers start (a long interval makes the difference plain).
+    shared = await store(prefill_wait_s=5.0, reconnect_interval_s=60.0)
+    await eventually(lambda: shared.can_wait, timeout_s=10.0)

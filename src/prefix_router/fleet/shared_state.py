@@ -55,7 +55,7 @@ RECONNECT_INTERVAL_S = 1.0  # a store that is down is pinged this often
 TIMEOUTS_TO_DOWN = 3  # timeouts in a row that count as down (one slow reply is only that request's)
 MAX_CONNECTIONS = 64  # to the store, per replica; a request waits for one within its timeout
 LOAD_TTL_S = 3.0  # a replica's in-flight counts outlive its last write by this much, then count as none
-LOAD_FLUSH_S = 0.1  # counts changed and no claim carried them for this long: written in the background
+LOAD_FLUSH_S = 0.02  # counts changed and no claim carried them for this long: written in the background
 ENDED_KEPT = 1024  # prefills whose end was heard, kept for a waiter whose claim answer comes after it
 BACKGROUND_TIMEOUT_S = 1.0  # at least, for calls no request waits on: a slow store may still take them
 
@@ -364,12 +364,14 @@ class SharedPlacement:
         self._takeover = self._redis.register_script(TAKEOVER_SCRIPT)
         self._prefilled = self._redis.register_script(PREFILLED_SCRIPT)
         self._write_load = self._redis.register_script(LOAD_SCRIPT)
+        self._scripts = (self._claim, self._takeover, self._prefilled, self._write_load)
         self._up = False
         self._timeouts = 0
         self._said: bool | None = None  # the state the last log line announced
         self._reply_said = False
         self._pending: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
+        self._is_up = asyncio.Event()  # set while up: the subscription starts as soon as the store answers
         self.errors = Counter(
             "prefix_router_shared_state_errors",
             "Calls to the shared placement store that failed (the request routed from local state).",
@@ -508,9 +510,7 @@ class SharedPlacement:
         """Hold the `prefilled` subscription while the store is up; wake the waiters of each mark."""
         channel = f"{self._namespace}prefilled"
         while True:
-            if not self._up:
-                await asyncio.sleep(self._reconnect_interval_s)
-                continue
+            await self._is_up.wait()
             pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(channel)
@@ -601,6 +601,12 @@ class SharedPlacement:
         try:
             async with asyncio.timeout(max(self._timeout_s, 0.5)):
                 await self._redis.ping()
+                # Loaded up front (a restarted server has none): a script's first call is then one
+                # round trip, not three, and a background take-over lands before the next request.
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    for script in self._scripts:
+                        pipe.script_load(script.script)
+                    await pipe.execute()
         except Exception as exc:
             self._count(exc)
             return False
@@ -634,7 +640,10 @@ class SharedPlacement:
 
     def _mark(self, up: bool, exc: BaseException | None = None) -> None:
         self._up = up
-        if not up:
+        if up:
+            self._is_up.set()
+        else:
+            self._is_up.clear()
             self._wake_all()  # the prefills they wait for may never be said to end
         self._timeouts = 0
         self.up_gauge.set(1 if up else 0)
