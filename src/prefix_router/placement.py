@@ -29,7 +29,15 @@ from prefix_router.routing.keys import RoutingKey
 from prefix_router.routing.load import Lease
 from prefix_router.routing.picker import Picker
 from prefix_router.routing.ring import HashRing
-from prefix_router.routing.shared_view import ClaimAnswer, ClaimRequest, Takeover, claim_request, resolve
+from prefix_router.routing.shared_view import (
+    ClaimAnswer,
+    ClaimRequest,
+    Takeover,
+    after_prefill,
+    claim_request,
+    resolve,
+    stale_follow,
+)
 from prefix_router.waiters import wake_first
 
 
@@ -55,9 +63,38 @@ class SharedStore(Protocol):
     @property
     def up(self) -> bool: ...
 
+    @property
+    def can_wait(self) -> bool: ...
+
+    def new_mark(self) -> str: ...
+
     async def claim(self, request: ClaimRequest) -> ClaimAnswer | None: ...
 
     def take_over(self, takeover: Takeover, request: ClaimRequest, target_capacity_bytes: float) -> None: ...
+
+    def prefilled(self, mark: str, request: ClaimRequest, backend_id: str) -> None: ...
+
+    async def wait_prefilled(self, mark: str, timeout_s: float) -> tuple[str, str] | None: ...
+
+
+class SharedMark:
+    """The blocks one attempt marked pending in the shared store: their end is said once, at the first
+    byte or when the attempt ends, as a PrefillHold's."""
+
+    __slots__ = ("_mark", "_request", "_said", "_store", "backend_id")
+
+    def __init__(self, store: SharedStore, mark: str, request: ClaimRequest, backend_id: str) -> None:
+        self._store = store
+        self._mark = mark
+        self._request = request
+        self.backend_id = backend_id
+        self._said = False
+
+    def release(self) -> None:
+        if self._said:
+            return
+        self._said = True
+        self._store.prefilled(self._mark, self._request, self.backend_id)
 
 
 class CapacityWaiters:
@@ -169,7 +206,17 @@ class Placement:
     lease on the backend and the prefill hold. `release()` gives back both, once, however often it is
     called; every exit path of the attempt calls it."""
 
-    __slots__ = ("_hold", "_key", "_lease", "_placer", "_released", "backend_id", "branch", "decision")
+    __slots__ = (
+        "_hold",
+        "_key",
+        "_lease",
+        "_mark",
+        "_placer",
+        "_released",
+        "backend_id",
+        "branch",
+        "decision",
+    )
 
     def __init__(
         self,
@@ -179,6 +226,7 @@ class Placement:
         branch: Branch,
         lease: Lease,
         hold: PrefillHold | None,
+        mark: SharedMark | None = None,
     ) -> None:
         self._placer = placer
         self._key = key
@@ -187,6 +235,7 @@ class Placement:
         self.branch = branch
         self._lease = lease
         self._hold = hold
+        self._mark = mark
         self._released = False
 
     @property
@@ -205,6 +254,8 @@ class Placement:
         """The answer's first byte came: the prefix is cached there now, whoever waits for it may go."""
         if self._hold is not None:
             self._hold.release()
+        if self._mark is not None:
+            self._mark.release()
 
     def release(self) -> None:
         if self._released:
@@ -212,6 +263,8 @@ class Placement:
         self._released = True
         if self._hold is not None:
             self._hold.release()
+        if self._mark is not None:
+            self._mark.release()
         self._placer._lease_ended(self._lease)
 
 
@@ -270,14 +323,14 @@ class Placer:
         """A place for one attempt, on a backend not in `exclude` (the ones tried already; a retry
         then records the RETRY branch). With `pin`, only that backend (it stored what the request
         names). Raises NoBackend, Overloaded (capacity wait timed out), ModelNotFound."""
-        decision = await self._choose(key, exclude, pin)
+        decision, mark = await self._choose(key, exclude, pin)
         backend = decision.backend_id
         # Nothing awaits from here to the return: a cancelled request cannot leak the lease or hold.
         lease = self._backends.load.acquire(backend)
         self._picker.chosen(key, backend)
         hold = self._holds.claim(key, backend) if self._holds is not None else None
         branch = Branch.RETRY if exclude else decision.branch
-        return Placement(self, key, decision, branch, lease, hold)
+        return Placement(self, key, decision, branch, lease, hold, mark)
 
     def knows_model(self, model: str | None) -> bool:
         """A model name the fleet's listings (or the adapter configuration) name; False without them."""
@@ -297,9 +350,12 @@ class Placer:
             return self._backends.ring, fleet
         return route.ring, route.narrow(fleet)
 
-    async def _choose(self, key: RoutingKey, exclude: Collection[str], pin: str | None) -> Decision:
+    async def _choose(
+        self, key: RoutingKey, exclude: Collection[str], pin: str | None
+    ) -> tuple[Decision, SharedMark | None]:
         """A decision within the bound, waiting (bounded) while every backend is at max_inflight,
-        and (bounded) while another request prefills this one's prefix on the chosen backend."""
+        and (bounded) while another request prefills this one's prefix on the chosen backend; with
+        the shared store, the blocks it marked pending there."""
         config = self._config
         loop = asyncio.get_running_loop()
         deadline = loop.time() + config.queue_timeout_s
@@ -324,7 +380,7 @@ class Placer:
                     self._waits.waited("capacity", queued_s)
                 if pin is None and self._shared is not None and not exclude and key.blocks:
                     return await self._share(key, decision, ring, candidates)
-                return decision
+                return decision, None
             left = deadline - loop.time()
             began = time.perf_counter()
             woken = await self._waiters.wait(left)
@@ -338,26 +394,66 @@ class Placer:
 
     async def _share(
         self, key: RoutingKey, local: Decision, ring: HashRing, candidates: Candidates
-    ) -> Decision:
+    ) -> tuple[Decision, SharedMark | None]:
         """The decision every replica agrees on (routing/shared_view.py): one bounded round trip to
-        the shared store; while it is slow or down, the local decision."""
+        the shared store; while it is slow or down, the local decision. Then, when another replica
+        is prefilling the prefix it follows there, the bounded wait for that prefill's end."""
         shared = self._shared
         assert shared is not None
+        load = self._backends.load
         if not shared.up:
-            return local
+            load.clear_peers()
+            return local, None
         picker = self._picker
-        request = claim_request(key, local, picker, ring)
+        holds = self._holds is not None
+        request = claim_request(
+            key, local, picker, ring, shared.new_mark() if holds else "", holds and shared.can_wait
+        )
         answer = await shared.claim(request)
         if answer is None:
-            return local
-        picker.shared_footprints(answer.figures)
-        load = self._backends.load
+            load.clear_peers()
+            return local, None
+        load.set_peers(answer.peers)
+        picker.shared_footprints(answer.figures_before())
+        if stale_follow(local, answer):
+            picker.forget_placed(key, local.backend_id, answer.depth)
         resolution = resolve(
-            local, answer, candidates.members, lambda b: picker.may_follow(b, candidates, load)
+            local,
+            answer,
+            candidates.members,
+            lambda b: picker.may_follow(b, candidates, load),
+            lambda: picker.pick(key, ring, candidates, load),
         )
+        if answer.added and resolution.takeover is None:  # else the take-over moves those bytes
+            picker.shared_footprints(answer.figures)
         if resolution.takeover is not None:
             shared.take_over(resolution.takeover, request, request.capacity_bytes)
-        return resolution.decision
+        decision = resolution.decision
+        mark = SharedMark(shared, request.mark, request, decision.backend_id) if answer.marked else None
+        if not resolution.wait_for:
+            return decision, mark
+        # Nothing is held yet (no lease, no hold): a cancelled wait leaks only the mark, said ended.
+        try:
+            began = time.perf_counter()
+            ended = await shared.wait_prefilled(resolution.wait_for, self._config.prefill_wait_s)
+        except BaseException:
+            if mark is not None:
+                mark.release()
+            raise
+        if ended is None:
+            return decision, mark
+        outcome, prefilled_on = ended
+        self._waits.prefill_waited(outcome, time.perf_counter() - began)
+        moved = after_prefill(
+            decision, prefilled_on, candidates.members, lambda b: picker.may_follow(b, candidates, load)
+        )
+        if moved is not decision:
+            # What the claim gave the old choice goes where the request goes.
+            takeover = Takeover(decision.backend_id, moved.backend_id, answer.depth)
+            shared.take_over(takeover, request, request.capacity_bytes)
+            if mark is not None:
+                mark.backend_id = moved.backend_id
+        return moved, mark
 
     async def _wait_for_prefill(self, ticket: int) -> None:
         assert self._holds is not None

@@ -84,7 +84,11 @@ class RouterApp:
         self.shared: SharedPlacement | None = None
         if settings.routing.shared_state_url and self.picker.ledgers is not None:
             self.shared = SharedPlacement(
-                settings.routing.shared_state_url, settings.routing.shared_state_timeout_s, self.registry
+                settings.routing.shared_state_url,
+                settings.routing.shared_state_timeout_s,
+                self.registry,
+                load=self.backends.load,
+                prefill_wait_s=settings.routing.prefill_wait_s,
             )
         elif settings.routing.shared_state_url:
             log.warning("routing.shared_state_url is ignored: it serves the prefix policy with its index")

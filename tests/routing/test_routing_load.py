@@ -195,6 +195,8 @@ EXT_OPS = st.lists(
         st.tuples(st.just("release"), st.sampled_from("abc"), st.integers(0, 30)),
         st.tuples(st.just("set"), st.sampled_from("abc"), st.integers(0, 20)),
         st.tuples(st.just("clear"), st.sampled_from("abc"), st.just(0)),
+        st.tuples(st.just("peers"), st.sampled_from("abc"), st.integers(0, 20)),
+        st.tuples(st.just("no_peers"), st.sampled_from("abc"), st.just(0)),
     ),
     max_size=50,
 )
@@ -214,8 +216,29 @@ def test_total_load_is_the_sum_of_loads(ops: list[tuple[str, str, int]]) -> None
             tracker.set_external(backend, float(n))
         elif op == "clear":
             tracker.clear_external(backend)
+        elif op == "peers":
+            tracker.set_peers([(backend, n), ("z", 0)])
+        elif op == "no_peers":
+            tracker.clear_peers()
         assert tracker.total_load() == pytest.approx(sum(tracker.load(b) for b in "abc"))
         assert all(tracker.load(b) >= tracker.inflight(b) for b in "abc")
+
+
+def test_the_other_replicas_counts_from_the_store_replace_the_scraped_share() -> None:
+    load = LoadTracker()
+    mine = [load.acquire("a"), load.acquire("a"), load.acquire("b")]
+    load.set_external("a", 9.0)  # scraped: 7 of a's 9 are the others'
+    assert load.load("a") == 9
+    load.set_peers([("a", 3), ("c", 4)])  # the store knows each replica's own count
+    assert (load.load("a"), load.load("b"), load.load("c")) == (5, 1, 4)
+    assert load.total_load() == 3 + 7
+    load.set_peers([("c", 1)])  # a full picture each time: a backend left out has none
+    assert (load.load("a"), load.load("c"), load.total_load()) == (2, 1, 4)
+    load.clear_peers()  # the store went away: the scraped figure again
+    assert (load.load("a"), load.load("c")) == (9, 0)
+    for lease in mine:
+        lease.release()
+    assert load.local_counts() == {}
 
 
 def test_placements_since_the_scrape_count_for_the_other_replicas_too() -> None:

@@ -17,9 +17,11 @@ from prefix_router.routing.ring import HashRing, Member
 from prefix_router.routing.shared_view import (
     ClaimAnswer,
     Takeover,
+    after_prefill,
     claim_request,
     parse_answer,
     resolve,
+    stale_follow,
 )
 
 
@@ -48,25 +50,40 @@ def test_the_claim_carries_blocks_sizes_the_follow_table_and_the_walk() -> None:
     assert request.follow.startswith("0") and request.follow.endswith("1")
     assert request.proposed == ids[3] and request.capacity_bytes == 5000.0
     assert request.listed == tuple(itertools.islice(ring.walk(key.ring_hash), ROOM_CHOICES))
+    assert (request.mark, request.wait) == ("", False)
+
+
+def test_only_a_streaming_request_marks_what_it_prefills() -> None:
+    ring = HashRing([Member("A"), Member("B")], 160)
+    picker = Picker(BalanceConfig())
+    body = {"model": "m", "messages": [{"role": "user", "content": "q" * 3000}]}
+    plain = extract_key("/v1/chat/completions", orjson.dumps(body), None, KeyConfig())
+    streaming = extract_key("/v1/chat/completions", orjson.dumps({**body, "stream": True}), None, KeyConfig())
+    local = Decision("A", Branch.CACHE_ROOM)
+    # A non-streaming answer's first byte is its last: nobody should wait for it.
+    assert claim_request(plain, local, picker, ring, "r:1", True).mark == ""
+    marked = claim_request(streaming, local, picker, ring, "r:1", True)
+    assert (marked.mark, marked.wait) == ("r:1", True)
 
 
 LOCAL = Decision("X", Branch.CACHE_ROOM)
 
 
-def answer(chosen: str, depth: int = 0, followed: bool = False) -> ClaimAnswer:
-    return ClaimAnswer(chosen, depth, followed, ())
+def answer(chosen: str, depth: int = 0, followed: bool = False, wait_for: str = "") -> ClaimAnswer:
+    return ClaimAnswer(chosen, depth, followed, (), wait_for)
 
 
 @pytest.mark.parametrize(
-    ("claimed", "usable", "fitting", "decision", "takeover"),
+    ("claimed", "usable", "fitting", "decision", "takeover", "wait_for"),
     [
-        pytest.param(answer("X"), {"X", "Y"}, {"X", "Y"}, LOCAL, None, id="no-owner-the-proposal-stands"),
+        pytest.param(answer("X"), {"X", "Y"}, {"X", "Y"}, LOCAL, None, "", id="no-owner-the-proposal-stands"),
         pytest.param(
             answer("X", 3, True),
             {"X"},
             {"X"},
             Decision("X", Branch.PREFIX_MATCH),
             None,
+            "",
             id="the-owner-is-the-proposal",
         ),
         pytest.param(
@@ -75,29 +92,71 @@ def answer(chosen: str, depth: int = 0, followed: bool = False) -> ClaimAnswer:
             {"X", "Y"},
             Decision("Y", Branch.PREFIX_MATCH),
             None,
+            "",
             id="the-shared-owner-wins",
         ),
         pytest.param(
-            answer("Y", 3, True), {"X", "Y"}, {"X"}, LOCAL, Takeover("Y", "X", 3), id="owner-at-its-bound"
+            answer("Y", 3, True), {"X", "Y"}, {"X"}, LOCAL, Takeover("Y", "X", 3), "", id="owner-at-its-bound"
         ),
-        pytest.param(answer("Y", 3, True), {"X"}, {"X"}, LOCAL, Takeover("Y", "X", 0), id="owner-not-usable"),
+        pytest.param(
+            answer("Y", 3, True), {"X"}, {"X"}, LOCAL, Takeover("Y", "X", 0), "", id="owner-not-usable"
+        ),
+        pytest.param(
+            answer("Y", 3, True, "r:7"),
+            {"X", "Y"},
+            {"X", "Y"},
+            Decision("Y", Branch.PREFIX_MATCH),
+            None,
+            "r:7",
+            id="the-owner-is-prefilling-it-wait",
+        ),
+        pytest.param(
+            answer("X", 3, True, "r:7"),
+            {"X"},
+            {"X"},
+            Decision("X", Branch.PREFIX_MATCH),
+            None,
+            "r:7",
+            id="prefilling-on-the-proposal-wait",
+        ),
+        pytest.param(
+            answer("Y", 3, True, "r:7"),
+            {"X", "Y"},
+            {"X"},
+            LOCAL,
+            Takeover("Y", "X", 3),
+            "",
+            id="prefilling-owner-at-its-bound-no-wait",
+        ),
     ],
 )
 def test_the_answer_becomes_the_decision(
-    claimed: ClaimAnswer, usable: set[str], fitting: set[str], decision: Decision, takeover: Takeover | None
+    claimed: ClaimAnswer,
+    usable: set[str],
+    fitting: set[str],
+    decision: Decision,
+    takeover: Takeover | None,
+    wait_for: str,
 ) -> None:
     resolution = resolve(LOCAL, claimed, usable, fitting.__contains__)
     assert resolution.decision == decision
     assert resolution.takeover == takeover
+    assert resolution.wait_for == wait_for
 
 
 @pytest.mark.parametrize(
     "reply",
     [
-        pytest.param(b"X\n1\n0", id="too-short"),
-        pytest.param(b"\n1\n0\n1\n2\n3", id="no-backend"),
-        pytest.param(b"X\n1\n0\nmany\n2\n3", id="not-a-number"),
-        pytest.param([b"X", 1, 0, 1, 2, 3], id="not-a-string"),
+        pytest.param(b"X\n1\n0\n-\n0", id="too-short"),
+        pytest.param(b"\n1\n0\n-\n0\n0\n-\n1\n2\n3", id="no-backend"),
+        pytest.param(b"X\n1\n0\n\n0\n0\n-\n1\n2\n3", id="no-mark-field"),
+        pytest.param(b"X\n1\n0\n-\n0\n0\n-\nmany\n2\n3", id="not-a-number"),
+        pytest.param(b"X\n1\n0\n-\n0\n0\n-\n1\n2\n3\nB", id="a-peer-without-a-count"),
+        pytest.param(b"X\n1\n0\n-\n0\n0\n-\n1\n2\n3\nB\n-2", id="a-negative-peer-count"),
+        pytest.param(b"X\n1\n0\n-\n0\n0\n-\n1\n2\n3\nB\nlots", id="a-peer-count-not-a-number"),
+        pytest.param(b"X\n1\n1\n-\n0\n0\n01\n1\n2\n3", id="holders-for-two-of-one-listed"),
+        pytest.param(b"X\n1\n1\n-\n0\n0\n2\n1\n2\n3", id="holders-not-bits"),
+        pytest.param([b"X", 1, 0, "-", 0, 0, "-", 1, 2, 3], id="not-a-string"),
     ],
 )
 def test_a_malformed_reply_is_refused(reply: object) -> None:
@@ -106,8 +165,13 @@ def test_a_malformed_reply_is_refused(reply: object) -> None:
 
 
 def test_a_reply_parses() -> None:
-    parsed = parse_answer(b"http://x:1\n2\n1\n300\n17\n3\n0\n-1\n0", ["A", "B"])
+    parsed = parse_answer(b"http://x:1\n2\n1\n-\n0\n0\n-\n300\n17\n3\n0\n-1\n0", ["A", "B"])
     assert parsed == ClaimAnswer("http://x:1", 2, True, (("A", 300, 17, 3), ("B", 0, -1, 0)))
+    waiting = parse_answer(b"A\n2\n1\nr9:4\n1\n40\n-\n300\n17\n3\nA\n5\nC\n1", ["A"])
+    assert waiting == ClaimAnswer("A", 2, True, (("A", 300, 17, 3),), "r9:4", True, (("A", 5), ("C", 1)), 40)
+    assert waiting.figures_before() == (("A", 260, 17, 3),)
+    spilled = parse_answer(b"A\n2\n1\n-\n0\n0\n011\n0\n1\n1\n5\n6\n1\n7\n8\n1", ["A", "B", "C"])
+    assert spilled.holders == ("B", "C")
 
 
 def test_shared_footprints_rank_backends_over_what_this_replica_placed() -> None:
@@ -139,3 +203,118 @@ def test_a_shared_owner_is_followed_as_a_local_one_up_to_max_inflight() -> None:
     assert picker.may_follow("B", cands, load)
     for lease in leases:
         lease.release()
+
+
+FOLLOWED = Decision("X", Branch.PREFIX_MATCH)  # this replica's own index followed its owner X
+ROOM_Y = Decision("Y", Branch.CACHE_ROOM)
+
+
+@pytest.mark.parametrize(
+    ("local", "claimed", "fitting", "again", "decision", "takeover", "picks"),
+    [
+        pytest.param(
+            FOLLOWED, answer("X", 3, True), {"X", "Y"}, ROOM_Y, FOLLOWED, None, 0,
+            id="a-follow-that-fits-stands",
+        ),
+        pytest.param(
+            LOCAL, answer("X", 2, False), {"X", "Y"}, ROOM_Y, ROOM_Y, Takeover("X", "Y", 2), 1,
+            id="a-first-placement-moves-where-the-fresh-footprints-have-more-room",
+        ),
+        pytest.param(
+            LOCAL, answer("X"), {"X", "Y"}, Decision("X", Branch.CACHE_ROOM), LOCAL, None, 1,
+            id="a-first-placement-the-fresh-footprints-confirm",
+        ),
+        pytest.param(
+            LOCAL, answer("X"), {"X", "Y"}, Decision("Y", Branch.PREFIX_MATCH), LOCAL, None, 1,
+            id="a-first-placement-moves-only-by-cache-room",
+        ),
+        pytest.param(
+            FOLLOWED, answer("X", 1, False), {"X", "Y"}, ROOM_Y, ROOM_Y, Takeover("X", "Y", 1), 1,
+            id="a-local-follow-the-store-does-not-confirm-is-a-first-placement",
+        ),
+        pytest.param(
+            FOLLOWED, answer("X", 2, True), {"Y"}, ROOM_Y, ROOM_Y, Takeover("X", "Y", 2), 1,
+            id="the-local-choice-is-full-on-these-counts",
+        ),
+        pytest.param(
+            LOCAL, answer("Z", 3, True), {"Y"}, ROOM_Y, ROOM_Y, Takeover("Z", "Y", 3), 1,
+            id="the-owner-and-the-local-choice-are-full",
+        ),
+        pytest.param(
+            FOLLOWED, answer("X", 3, True), set(), ROOM_Y, FOLLOWED, None, 1,
+            id="nothing-fits-the-claim-stands",
+        ),
+        pytest.param(
+            LOCAL, answer("X", 3, True, "r:1"), {"X"}, ROOM_Y, FOLLOWED, None, 0, id="the-followed-owner-fits"
+        ),
+    ],
+)  # fmt: skip
+def test_the_answers_own_figures_pick_again_where_the_local_pick_was_stale(
+    local: Decision,
+    claimed: ClaimAnswer,
+    fitting: set[str],
+    again: Decision,
+    decision: Decision,
+    takeover: Takeover | None,
+    picks: int,
+) -> None:
+    picked: list[int] = []
+
+    def repick() -> Decision:
+        picked.append(1)
+        return again
+
+    resolution = resolve(local, claimed, {"X", "Y", "Z"}, fitting.__contains__, repick)
+    assert (resolution.decision, resolution.takeover) == (decision, takeover)
+    assert len(picked) == picks
+
+
+@pytest.mark.parametrize(
+    ("prefilled_on", "usable", "fitting", "decision"),
+    [
+        pytest.param("X", {"X", "Y"}, {"X", "Y"}, LOCAL, id="where-it-was-going"),
+        pytest.param("Y", {"X", "Y"}, {"X", "Y"}, Decision("Y", Branch.PREFIX_MATCH), id="it-moved-go-there"),
+        pytest.param("Y", {"X", "Y"}, {"X"}, LOCAL, id="it-moved-to-a-backend-at-its-bound"),
+        pytest.param("Y", {"X"}, {"X", "Y"}, LOCAL, id="it-moved-to-a-backend-not-usable"),
+        pytest.param("", {"X", "Y"}, {"X", "Y"}, LOCAL, id="nobody-said-where"),
+    ],
+)
+def test_a_request_goes_where_the_prefill_it_waited_for_ended(
+    prefilled_on: str, usable: set[str], fitting: set[str], decision: Decision
+) -> None:
+    assert after_prefill(LOCAL, prefilled_on, usable, fitting.__contains__) == decision
+
+
+def test_a_local_follow_the_store_aged_out_is_forgotten() -> None:
+    picker = Picker(BalanceConfig())
+    key = chat("s" * 2000, "q" * 300)
+    picker.placed(key, "X")
+    picker.placed(key, "Y")
+    index = picker.index
+    assert index is not None and index.longest_match(key.blocks) == (len(key.blocks), ("X", "Y"))
+    followed = Decision("X", Branch.PREFIX_MATCH)
+    assert stale_follow(followed, answer("X", 2, False))
+    assert not stale_follow(followed, answer("X", 5, True))  # the store confirms it
+    assert not stale_follow(followed, answer("Y", 5, True))  # the store follows another owner
+    assert not stale_follow(Decision("X", Branch.CACHE_ROOM), answer("X"))
+    picker.forget_placed(key, "X", 2)
+    assert index.longest_match(key.blocks[:2]) == (2, ("X", "Y"))  # what the store still has there
+    assert index.longest_match(key.blocks) == (len(key.blocks), ("Y",))
+
+
+def test_an_owner_at_its_bound_spills_to_the_next_holder_of_the_prefix_in_the_walk() -> None:
+    holders = ClaimAnswer("X", 3, True, (), holders=("Z", "Y"))
+    usable = {"X", "Y", "Z"}
+
+    def none() -> Decision | None:
+        return None
+
+    spill = resolve(LOCAL, holders, usable, {"Y", "Z"}.__contains__, none)
+    assert spill.decision == Decision("Z", Branch.PREFIX_MATCH) and spill.takeover == Takeover("X", "Z", 3)
+    past = resolve(LOCAL, holders, usable, {"Y"}.__contains__, none)  # Z is at its bound too
+    assert past.decision == Decision("Y", Branch.PREFIX_MATCH) and past.takeover == Takeover("X", "Y", 3)
+    # None of them can take it: the local decision, as before.
+    assert resolve(LOCAL, holders, usable, set().__contains__, none).decision == LOCAL
+    # Not followed (the prefix covers too little): holders do not matter.
+    thin = ClaimAnswer("Y", 1, False, (), holders=("Z",))
+    assert resolve(LOCAL, thin, usable, {"X", "Z"}.__contains__, none).decision == LOCAL

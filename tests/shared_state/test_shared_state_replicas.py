@@ -93,7 +93,9 @@ async def test_groups_sharing_a_system_prompt_stay_on_one_backend_across_routers
     finally:
         await probe.aclose()
     evalsha = stats["cmdstat_evalsha"]
-    assert evalsha["calls"] - evalsha["failed_calls"] == 60
+    # Besides, calls no request waits for: take-overs, and in-flight counts no claim carried.
+    background = sum(r.app.shared.background_calls for r in routers if r.app.shared is not None)
+    assert evalsha["calls"] - evalsha["failed_calls"] - background == 60
 
 
 async def test_redis_killed_mid_run_costs_no_request_and_is_used_again_when_back(

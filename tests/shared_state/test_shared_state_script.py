@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 from redis.asyncio import Redis
 
 from prefix_router.fleet.shared_state import NAMESPACE, SharedPlacement
+from prefix_router.routing.load import LoadTracker
 from prefix_router.routing.shared_view import ClaimAnswer, ClaimRequest, Takeover
 
 from loopback import eventually_equal
@@ -215,3 +216,147 @@ async def test_a_wrong_reply_is_counted_and_said_once_without_calling_the_store_
     assert shared.up
     assert len([r for r in caplog.records if "answered with an error" in r.getMessage()]) == 1
     assert not [r for r in caplog.records if "is down" in r.getMessage()]
+
+
+async def test_a_prefill_one_replica_opens_is_waited_for_by_another_until_its_end(
+    store: Any, raw: Redis
+) -> None:
+    a, b = await store(prefill_wait_s=5.0), await store(prefill_wait_s=5.0)
+    await eventually(lambda: a.can_wait and b.can_wait)
+    mark = a.new_mark()
+    first = claim([1, 2, 3], "X")
+    first = ClaimRequest(first.blocks, first.sizes, first.follow, "X", BIG, (), mark, True)
+    opened = await claimed(a, first)
+    assert opened.marked and opened.wait_for == ""
+    assert await raw.get(f"{NAMESPACE}p:3") == mark
+    assert 0 < await raw.pttl(f"{NAMESPACE}p:3") <= 5000  # a dead replica's marks expire
+    # The same prefix and a question of its own, from the other replica: it follows X and learns
+    # that X is prefilling the prefix right now; its own new block is its own prefill.
+    other = b.new_mark()
+    second = await claimed(b, ClaimRequest((1, 2, 3, 4), (100,) * 4, "0111", "Y", BIG, (), other, True))
+    assert (second.chosen, second.followed, second.wait_for, second.marked) == ("X", True, mark, True)
+    assert await raw.get(f"{NAMESPACE}p:4") == other
+    # Not asked to wait (a retry, or holds off): no mark reported.
+    quiet = await claimed(b, ClaimRequest((1, 2, 3, 5), (100,) * 4, "0111", "Y", BIG, (), "", False))
+    assert quiet.wait_for == "" and not quiet.marked
+    waiter = asyncio.ensure_future(b.wait_prefilled(mark, 5.0))
+    await asyncio.sleep(0.1)
+    assert not waiter.done()
+    a.prefilled(mark, first, "W")  # A's first byte came, on W: A's request went there after all
+    assert await asyncio.wait_for(waiter, 5.0) == ("ready", "W")
+    assert await raw.get(f"{NAMESPACE}p:3") is None
+    assert await raw.get(f"{NAMESPACE}p:4") == other  # another prefill's mark stays
+    # An end heard before the wait began (the answer came after the message) is not waited for.
+    assert await asyncio.wait_for(b.wait_prefilled(mark, 5.0), 1.0) == ("ready", "W")
+    after = await claimed(b, ClaimRequest((1, 2, 3, 6), (100,) * 4, "0111", "Y", BIG, (), "", True))
+    assert after.wait_for == ""
+
+
+async def test_a_prefill_that_does_not_cover_the_request_or_is_elsewhere_is_not_waited_for(
+    store: Any,
+) -> None:
+    a, b = await store(prefill_wait_s=5.0), await store(prefill_wait_s=5.0)
+    await eventually(lambda: a.can_wait and b.can_wait)
+    await claimed(a, ClaimRequest((1, 2), (100, 100), "11", "X", BIG, (), a.new_mark(), True))
+    # The pending blocks cover too little of this request (follow says 0 at depth 2): not followed.
+    thin = await claimed(b, ClaimRequest((1, 2, 7, 8), (100,) * 4, "0001", "Y", BIG, (), "", True))
+    assert (thin.chosen, thin.followed, thin.wait_for) == ("Y", False, "")
+    # Deeper blocks on Y now: a request following Y does not wait for X's prefill of 1, 2.
+    deep = await claimed(b, ClaimRequest((1, 2, 7, 8, 9), (100,) * 5, "01111", "Z", BIG, (), "", True))
+    assert (deep.chosen, deep.wait_for) == ("Y", "")
+
+
+async def test_a_wait_ends_at_its_bound_and_when_the_subscription_is_lost(
+    store: Any, redis_server: RedisServer
+) -> None:
+    shared = await store(prefill_wait_s=5.0, reconnect_interval_s=0.1)
+    await eventually(lambda: shared.can_wait)
+    assert await shared.wait_prefilled("nobody:1", 0.2) == ("timeout", "")
+    waiter = asyncio.ensure_future(shared.wait_prefilled("nobody:2", 30.0))
+    await asyncio.sleep(0.1)
+    redis_server.kill()
+    # Nobody could say that prefill ended now: the request goes on at once, not after 30 s.
+    assert await asyncio.wait_for(waiter, 10.0) is None
+    assert not shared.can_wait
+    assert await shared.wait_prefilled("nobody:3", 30.0) is None
+    redis_server.start()
+    await eventually(lambda: shared.can_wait, timeout_s=10)
+
+
+async def test_each_claim_carries_its_replicas_counts_and_answers_the_others(store: Any) -> None:
+    loads = [LoadTracker(), LoadTracker()]
+    a, b = await store(load=loads[0]), await store(load=loads[1])
+    mine = [loads[0].acquire("X"), loads[0].acquire("X"), loads[0].acquire("W")]
+    first = await claimed(a, claim([1], "X"))
+    assert first.peers == ()  # nobody else has anything in flight
+    # A's counts as it sent them, with the request it claimed for counted on X.
+    answer = await claimed(b, claim([2], "Y"))
+    assert dict(answer.peers) == {"X": 3, "W": 1}
+    lease = loads[1].acquire("Y")  # the request B claimed for: the store counted it already
+    back = await claimed(a, claim([3], "X"))
+    assert dict(back.peers) == {"Y": 1}  # never A's own
+    assert await _peers(b, [9]) == {"X": 3, "W": 1}
+    for held in mine:
+        held.release()
+    lease.release()
+    # No more claims from A: its releases reach the store in the background.
+    await eventually_equal(lambda: _peers(b, [9]), {})
+    assert a.load_writes >= 1
+
+
+async def test_a_replicas_counts_expire_when_it_writes_no_more(store: Any) -> None:
+    load = LoadTracker()
+    a = await store(load=load, load_ttl_s=0.3)
+    b = await store(load_ttl_s=0.3)
+    await claimed(a, claim([1], "X"))
+    assert dict((await claimed(b, claim([2], "Y"))).peers) == {"X": 1}
+    a._load = None  # as a replica that died: nothing refreshes them
+    await asyncio.sleep(0.5)
+    assert (await claimed(b, claim([3], "Y"))).peers == ()
+
+
+async def _peers(shared: SharedPlacement, blocks: list[int]) -> dict[str, int]:
+    return dict((await claimed(shared, claim(blocks, "Z"))).peers)
+
+
+async def test_the_answer_names_the_other_backends_that_hold_the_prefix_followed(
+    store: Any, raw: Redis
+) -> None:
+    shared = await store()
+    spilled = claim([1, 2, 3], "X")
+    await claimed(shared, spilled)
+    shared.take_over(Takeover("X", "Y", 3), spilled, BIG)  # X was full: the request went to Y
+
+    async def on_y() -> bool:
+        return await raw.zscore(f"{NAMESPACE}lru:Y", "3") is not None
+
+    await eventually(on_y)
+    answer = await claimed(shared, claim([1, 2, 3, 4], "Z", listed=("W", "Y", "X", "Z")))
+    assert (answer.chosen, answer.followed, answer.holders) == ("X", True, ("Y",))
+    thin = await claimed(shared, claim([1, 2, 3, 5], "Z", follow="0000", listed=("Y",)))
+    assert not thin.followed and thin.holders == ()
+
+
+async def test_a_store_called_down_for_its_timeouts_lets_its_waiters_go(store: Any, raw: Redis) -> None:
+    shared = await store(timeout_s=0.05, prefill_wait_s=30.0)
+    await eventually(lambda: shared.can_wait)
+    waiter = asyncio.ensure_future(shared.wait_prefilled("slow:1", 30.0))
+    spin = (
+        "local t = redis.call('TIME'); local s = t[1] + t[2] / 1e6; while true do"
+        " local n = redis.call('TIME'); if n[1] + n[2] / 1e6 - s > 0.5 then break end end return 1"
+    )
+    busy = asyncio.ensure_future(raw.eval(spin, 0))
+    await asyncio.sleep(0.05)
+    for _ in range(3):  # three timeouts in a row: down
+        assert await shared.claim(claim([1], "X")) is None
+    assert not shared.up and not shared.can_wait
+    # The end of that prefill may never be heard now: the request goes on, not after 30 s.
+    assert await asyncio.wait_for(waiter, 1.0) is None
+    await busy
+
+
+async def test_the_subscription_opens_as_soon_as_the_store_answers(store: Any) -> None:
+    # Not after a reconnect interval: a router's first requests would otherwise never wait for the
+    # prefills other routers start (a long interval makes the difference plain).
+    shared = await store(prefill_wait_s=5.0, reconnect_interval_s=60.0)
+    await eventually(lambda: shared.can_wait, timeout_s=10.0)

@@ -1,23 +1,37 @@
-"""Placement state shared by router replicas, in Redis (or Valkey): prefix owners and footprints.
+"""Placement state shared by router replicas, in Redis (or Valkey): prefix owners and footprints,
+pending prefills and requests in flight.
 
 One awaited round trip per request at most: an EVALSHA of the `claim` script (what it does:
 routing/shared_view.py), bounded by `routing.shared_state_timeout_s`. A take-over, when the router
-could not send to the shared owner, is written in the background and never awaited. When the store
-is slow or down the router routes from its own state: each failure is counted
-(`prefix_router_shared_state_errors_total{reason}`), `prefix_router_shared_state_up` drops to 0 with
-one log line, calls stop until a background ping gets an answer again, and one line says so.
+could not send to the shared owner, and the end of a prefill this replica marked are written in the
+background and never awaited. When the store is slow or down the router routes from its own state:
+each failure is counted (`prefix_router_shared_state_errors_total{reason}`),
+`prefix_router_shared_state_up` drops to 0 with one log line, calls stop until a background ping gets
+an answer again, and one line says so.
+
+Pending prefills: a claim marks the blocks its request prefills first (`p:<block>`, expiring after
+`prefill_wait_s`, so a dead replica's marks go); the replica that prefills deletes them at the first
+byte and PUBLISHes the mark on `prefilled`, which every replica subscribes to: a request another
+replica holds back for that prefill is woken by it, and a lost subscription wakes every such request.
+Requests in flight: each claim carries this replica's counts (`ld:<replica>`, a hash that expires after
+LOAD_TTL_S; the replicas seen are the set `replicas`), and the answer sums the others'. Releases reach
+the store with the next claim, or by a background write when none came for LOAD_FLUSH_S.
 
 Keys, under NAMESPACE: `o:<block>` the block's owner; per backend `lru:<backend>` (a sorted set of
 blocks by the shared clock's reading of their last use), `size:<backend>` (bytes of each block);
-`used`, `count` and `cap` (hashes by backend: bytes placed, entries, capacity); `clock`. Scripts
-touch keys they derive, so the store must be one Redis (6.2 or later) or Valkey, not a cluster.
+`used`, `count` and `cap` (hashes by backend: bytes placed, entries, capacity); `clock`; `p:<block>`,
+`ld:<replica>`, `replicas` as above. Scripts touch keys they derive, so the store must be one Redis
+(6.2 or later) or Valkey, not a cluster.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
+import secrets
+from collections import OrderedDict
 from collections.abc import Sequence
 from urllib.parse import urlsplit, urlunsplit
 
@@ -25,9 +39,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from prefix_router.routing.load import LoadTracker
 from prefix_router.routing.picker import LEDGER_ENTRIES
 from prefix_router.routing.shared_view import ClaimAnswer, ClaimRequest, Takeover, parse_answer
 
@@ -38,6 +54,10 @@ ERROR_REASONS = ("timeout", "connection", "reply")
 RECONNECT_INTERVAL_S = 1.0  # a store that is down is pinged this often
 TIMEOUTS_TO_DOWN = 3  # timeouts in a row that count as down (one slow reply is only that request's)
 MAX_CONNECTIONS = 64  # to the store, per replica; a request waits for one within its timeout
+LOAD_TTL_S = 3.0  # a replica's in-flight counts outlive its last write by this much, then count as none
+LOAD_FLUSH_S = 0.02  # counts changed and no claim carried them for this long: written in the background
+ENDED_KEPT = 1024  # prefills whose end was heard, kept for a waiter whose claim answer comes after it
+BACKGROUND_TIMEOUT_S = 1.0  # at least, for calls no request waits on: a slow store may still take them
 
 # Shared by both scripts: note blocks as just used by a backend, newest first (a prefix's shallow
 # blocks end most recently used, so eviction trims prefixes from their tails), then evict its least
@@ -84,15 +104,54 @@ local function record(backend, cap, max_entries, blocks, sizes)
   end
   redis.call('HSET', ns .. 'used', backend, used)
   redis.call('HSET', ns .. 'count', backend, count)
+  return added
 end
 local function capacity_of(backend)
   return tonumber(redis.call('HGET', ns .. 'cap', backend) or '') or 1099511627776
 end
+-- This replica's requests in flight (pairs of backend and count) replace what it said before.
+local function write_load(me, pairs, ttl_ms)
+  local key = ns .. 'ld:' .. me
+  redis.call('DEL', key)
+  if #pairs > 0 then
+    redis.call('HSET', key, unpack(pairs))
+    redis.call('PEXPIRE', key, ttl_ms)
+    redis.call('SADD', ns .. 'replicas', me)
+  end
+end
+-- The other replicas' requests in flight, summed per backend, appended to `reply` as pairs. A
+-- replica whose counts expired (gone, or idle) leaves the set.
+local function peer_loads(me, reply)
+  local sums, order = {}, {}
+  for _, r in ipairs(redis.call('SMEMBERS', ns .. 'replicas')) do
+    if r ~= me then
+      local flat = redis.call('HGETALL', ns .. 'ld:' .. r)
+      if #flat == 0 then redis.call('SREM', ns .. 'replicas', r) end
+      for k = 1, #flat, 2 do
+        local b = flat[k]
+        if sums[b] == nil then
+          sums[b] = 0
+          order[#order + 1] = b
+        end
+        sums[b] = sums[b] + tonumber(flat[k + 1])
+      end
+    end
+  end
+  for _, b in ipairs(order) do
+    reply[#reply + 1] = b
+    reply[#reply + 1] = sums[b]
+  end
+end
 """
 
 # ARGV: namespace, proposed backend, its capacity (bytes), max entries, follow table, the blocks,
-# their sizes, the listed backends. The reply is one newline-joined string: chosen, depth, followed,
-# then bytes used, oldest use and entries of each listed backend.
+# their sizes, the listed backends, the request's mark ('' none), wait ('1': report a pending prefill),
+# marks' lifetime (ms), this replica, its in-flight pairs, their lifetime (ms). The reply is one
+# newline-joined string: chosen, depth, followed, the mark to wait for ('-' none), marked, the bytes
+# this claim added to the chosen backend's footprint, which listed backends also hold the prefix
+# followed (one '0' or '1' each; '-' when none was followed); bytes used,
+# oldest use and entries of each listed backend; then backend and count pairs of the others' in-flight
+# requests. The replica's own counts are written with its request counted on the chosen backend.
 CLAIM_SCRIPT = (
     _RECORD
     + """
@@ -100,6 +159,8 @@ local proposed = ARGV[2]
 local max_entries = tonumber(ARGV[4])
 local follow = ARGV[5]
 local blocks, sizes, listed = split(ARGV[6]), split(ARGV[7]), split(ARGV[8])
+local mark, wait, mark_ttl = ARGV[9], ARGV[10] == '1', ARGV[11]
+local me, pairs, load_ttl = ARGV[12], split(ARGV[13]), ARGV[14]
 local n, m = #blocks, #listed
 local owner_keys = {}
 for i = 1, n do owner_keys[i] = ns .. 'o:' .. blocks[i] end
@@ -113,16 +174,56 @@ local chosen, followed = proposed, 0
 if depth > 0 and string.sub(follow, depth, depth) == '1' then
   chosen, followed = owners[depth], 1
 end
-local unowned = {}
+-- Another request prefilling, on the chosen owner, blocks that cover enough of this one: its mark.
+local wait_for = '-'
+if wait and followed == 1 then
+  local mark_keys = {}
+  for i = 1, depth do mark_keys[i] = ns .. 'p:' .. blocks[i] end
+  local marks = redis.call('MGET', unpack(mark_keys))
+  for i = depth, 1, -1 do
+    if marks[i] and owners[i] == chosen and string.sub(follow, i, i) == '1' then
+      wait_for = marks[i]
+      break
+    end
+  end
+end
+local unowned, marked = {}, 0
 for i = 1, n do
   if not owners[i] then
     unowned[#unowned + 1] = owner_keys[i]
     unowned[#unowned + 1] = chosen
+    if mark ~= '' then
+      redis.call('SET', ns .. 'p:' .. blocks[i], mark, 'PX', mark_ttl)
+      marked = 1
+    end
   end
 end
 if #unowned > 0 then redis.call('MSET', unpack(unowned)) end
-record(chosen, capacity_of(chosen), max_entries, blocks, sizes)
-local reply = {chosen, depth, followed}
+local added = record(chosen, capacity_of(chosen), max_entries, blocks, sizes)
+local counted = false
+for k = 1, #pairs, 2 do
+  if pairs[k] == chosen then
+    pairs[k + 1] = tostring(tonumber(pairs[k + 1]) + 1)
+    counted = true
+  end
+end
+if not counted then
+  pairs[#pairs + 1] = chosen
+  pairs[#pairs + 1] = '1'
+end
+write_load(me, pairs, load_ttl)
+-- Which listed backends besides the owner hold the prefix followed (their footprints have its deepest
+-- block): where the request goes, in the walk's order, when the owner is at its bound.
+local holders = '-'
+if followed == 1 and m > 0 then
+  local bits = {}
+  for j = 1, m do
+    local held = listed[j] ~= chosen and redis.call('ZSCORE', ns .. 'lru:' .. listed[j], blocks[depth])
+    bits[j] = held and '1' or '0'
+  end
+  holders = table.concat(bits)
+end
+local reply = {chosen, depth, followed, wait_for, marked, added, holders}
 if m > 0 then
   local used = redis.call('HMGET', ns .. 'used', unpack(listed))
   local counts = redis.call('HMGET', ns .. 'count', unpack(listed))
@@ -137,6 +238,7 @@ if m > 0 then
     reply[#reply + 1] = count
   end
 end
+peer_loads(me, reply)
 return table.concat(reply, '\\n')
 """
 )
@@ -174,6 +276,28 @@ return 1
 )
 
 
+# ARGV: namespace, the mark, the request's blocks, the backend it went to. The prefill under that
+# mark ended (its first byte, or the attempt's end): its marks go, and every replica hears the mark
+# and the backend (which the waiters go to: it may not be the owner their claim named) on `prefilled`.
+PREFILLED_SCRIPT = """
+local ns, mark = ARGV[1], ARGV[2]
+for block in string.gmatch(ARGV[3], '[^\\n]+') do
+  local key = ns .. 'p:' .. block
+  if redis.call('GET', key) == mark then redis.call('DEL', key) end
+end
+return redis.call('PUBLISH', ns .. 'prefilled', mark .. '\\n' .. ARGV[4])
+"""
+
+# ARGV: namespace, this replica, its in-flight pairs, their lifetime (ms).
+LOAD_SCRIPT = (
+    _RECORD
+    + """
+write_load(ARGV[2], split(ARGV[3]), ARGV[4])
+return 1
+"""
+)
+
+
 def redacted(url: str) -> str:
     """The store's URL without its password, for log lines."""
     parts = urlsplit(url)
@@ -186,8 +310,13 @@ def redacted(url: str) -> str:
     return urlunsplit((parts.scheme, user + host, parts.path, parts.query, parts.fragment))
 
 
+def _packed(counts: dict[str, int]) -> str:
+    return "\n".join(f"{backend}\n{count}" for backend, count in counts.items())
+
+
 class SharedPlacement:
-    """The store client: claim (awaited, bounded), take over (background), reconnect (background)."""
+    """The store client: claim (awaited, bounded); take over, end of a prefill, load (background);
+    reconnect and the `prefilled` subscription (background)."""
 
     def __init__(
         self,
@@ -198,12 +327,30 @@ class SharedPlacement:
         namespace: str = NAMESPACE,
         max_entries: int = LEDGER_ENTRIES,
         reconnect_interval_s: float = RECONNECT_INTERVAL_S,
+        load: LoadTracker | None = None,
+        prefill_wait_s: float = 0.0,
+        load_ttl_s: float = LOAD_TTL_S,
     ) -> None:
         self._url = url
         self._timeout_s = timeout_s
         self._namespace = namespace
         self._max_entries = str(max_entries)
         self._reconnect_interval_s = reconnect_interval_s
+        self._load = load
+        # Marks live as long as a request waits for one: past that nobody would still be waiting.
+        self._mark_ttl_ms = str(max(1, round(prefill_wait_s * 1000))) if prefill_wait_s > 0 else ""
+        self._load_ttl_s = load_ttl_s
+        self._load_ttl_ms = str(max(1, round(load_ttl_s * 1000)))
+        self.replica = secrets.token_hex(8)  # this process, in marks and in-flight counts
+        self._marks = itertools.count(1)
+        self._sent_counts: dict[str, int] = {}  # what the store last heard of this replica's counts
+        self._sent_at = -1e9  # the loop's time when it did
+        # Calls made in the background, not awaited by a request: take-overs, ends of prefills, counts.
+        self.background_calls = 0
+        self.load_writes = 0  # of which: this replica's counts, when no claim carried them
+        self._subscribed = False
+        self._waiting: dict[str, list[asyncio.Future[str | None]]] = {}
+        self._ended: OrderedDict[str, str] = OrderedDict()  # mark -> the backend that prefilled
         pool = BlockingConnectionPool.from_url(
             url,
             max_connections=MAX_CONNECTIONS,
@@ -215,12 +362,16 @@ class SharedPlacement:
         self._redis = Redis(connection_pool=pool)
         self._claim = self._redis.register_script(CLAIM_SCRIPT)
         self._takeover = self._redis.register_script(TAKEOVER_SCRIPT)
+        self._prefilled = self._redis.register_script(PREFILLED_SCRIPT)
+        self._write_load = self._redis.register_script(LOAD_SCRIPT)
+        self._scripts = (self._claim, self._takeover, self._prefilled, self._write_load)
         self._up = False
         self._timeouts = 0
         self._said: bool | None = None  # the state the last log line announced
         self._reply_said = False
         self._pending: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
+        self._is_up = asyncio.Event()  # set while up: the subscription starts as soon as the store answers
         self.errors = Counter(
             "prefix_router_shared_state_errors",
             "Calls to the shared placement store that failed (the request routed from local state).",
@@ -239,7 +390,27 @@ class SharedPlacement:
     def up(self) -> bool:
         return self._up
 
+    @property
+    def can_wait(self) -> bool:
+        """Would the end of another replica's prefill be heard now (the subscription is open)?"""
+        return self._subscribed and self._up
+
+    def new_mark(self) -> str:
+        """A mark for the prefill one request may open; '' when waits are off."""
+        if not self._mark_ttl_ms:
+            return ""
+        return f"{self.replica}:{next(self._marks)}"
+
     async def run(self) -> None:
+        """The background work: the store's state, the `prefilled` subscription, the counts."""
+        async with asyncio.TaskGroup() as group:
+            group.create_task(self._keep_up())
+            if self._mark_ttl_ms:
+                group.create_task(self._listen())
+            if self._load is not None:
+                group.create_task(self._flush_load(self._load))
+
+    async def _keep_up(self) -> None:
         """Keep the store's state known: ping until it answers, then wait until a call fails."""
         while True:
             if not self._up:
@@ -258,6 +429,12 @@ class SharedPlacement:
         for task in list(self._pending):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        self._wake_all()
+        if self._up and self._load is not None:
+            # This replica's counts go with it, rather than for LOAD_TTL_S after it.
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(self._timeout_s):
+                    await self._redis.delete(f"{self._namespace}ld:{self.replica}")
         await self._redis.aclose()
         await self._redis.connection_pool.disconnect()
 
@@ -265,6 +442,8 @@ class SharedPlacement:
         """The store's answer, or None (down, slow or wrong: the caller keeps its local decision)."""
         if not self._up:
             return None
+        counts = self._load.local_counts() if self._load is not None else {}
+        mark = request.mark if self._mark_ttl_ms else ""
         args: list[str | int] = [
             self._namespace,
             request.proposed,
@@ -274,6 +453,12 @@ class SharedPlacement:
             "\n".join(map(str, request.blocks)),
             "\n".join(map(str, request.sizes)),
             "\n".join(request.listed),
+            mark,
+            "1" if request.wait and self._subscribed else "0",
+            self._mark_ttl_ms or "1",
+            self.replica,
+            _packed(counts),
+            self._load_ttl_ms,
         ]
         try:
             async with asyncio.timeout(self._timeout_s):
@@ -283,7 +468,105 @@ class SharedPlacement:
             self._failed(exc)
             return None
         self._timeouts = 0
+        counts[answer.chosen] = counts.get(answer.chosen, 0) + 1  # as the script wrote them
+        self._sent_counts = counts
+        self._sent_at = asyncio.get_running_loop().time()
         return answer
+
+    def prefilled(self, mark: str, request: ClaimRequest, backend_id: str) -> None:
+        """The prefill under `mark` on `backend_id` ended: its marks go and the replicas hear it
+        (background)."""
+        if not mark:
+            return
+        # Even while the store is called down (it may only be slow): other replicas' requests may be
+        # waiting for this, until prefill_wait_s.
+        args: list[str | int] = [self._namespace, mark, "\n".join(map(str, request.blocks)), backend_id]
+        self._background(self._prefilled, args)
+
+    async def wait_prefilled(self, mark: str, timeout_s: float) -> tuple[str, str] | None:
+        """Wait for the end of another replica's prefill: ('ready', the backend that prefilled) or
+        ('timeout', ''); None when its end cannot be heard (no subscription, or it was lost)."""
+        ended = self._ended.get(mark)
+        if ended is not None:
+            return "ready", ended
+        if not self._subscribed:
+            return None
+        fut: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+        self._waiting.setdefault(mark, []).append(fut)
+        try:
+            async with asyncio.timeout(timeout_s):
+                backend = await fut
+        except TimeoutError:
+            return "timeout", ""
+        finally:
+            waiting = self._waiting.get(mark)
+            if waiting is not None and fut in waiting:
+                waiting.remove(fut)
+                if not waiting:
+                    del self._waiting[mark]
+        return None if backend is None else ("ready", backend)
+
+    async def _listen(self) -> None:
+        """Hold the `prefilled` subscription while the store is up; wake the waiters of each mark."""
+        channel = f"{self._namespace}prefilled"
+        while True:
+            await self._is_up.wait()
+            pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(channel)
+                self._subscribed = True
+                while True:
+                    message = await pubsub.get_message(timeout=None)
+                    if message is not None and message.get("type") == "message":
+                        self._heard(message["data"])
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._count(exc)
+            finally:
+                self._subscribed = False
+                self._wake_all()
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+            await asyncio.sleep(self._reconnect_interval_s)
+
+    def _heard(self, data: object) -> None:
+        text = data.decode("utf-8", "replace") if isinstance(data, bytes) else str(data)
+        mark, _, backend = text.partition("\n")
+        self._ended[mark] = backend
+        if len(self._ended) > ENDED_KEPT:
+            self._ended.popitem(last=False)
+        for fut in self._waiting.pop(mark, ()):
+            if not fut.done():
+                fut.set_result(backend)
+
+    def _wake_all(self) -> None:
+        """Nobody will say these prefills ended: stop waiting for them."""
+        waiting, self._waiting = self._waiting, {}
+        for futs in waiting.values():
+            for fut in futs:
+                if not fut.done():
+                    fut.set_result(None)
+
+    async def _flush_load(self, load: LoadTracker) -> None:
+        """Write this replica's counts when they changed and no claim carried them for LOAD_FLUSH_S,
+        and before they expire while they stay the same."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(LOAD_FLUSH_S)
+            if not self._up:
+                continue
+            since = loop.time() - self._sent_at
+            if since < LOAD_FLUSH_S:
+                continue  # a claim carried them just now
+            counts = load.local_counts()
+            if counts == self._sent_counts and (not counts or since < self._load_ttl_s / 3):
+                continue  # the store has them, and they do not expire yet
+            self._sent_counts, self._sent_at = counts, loop.time()
+            self.load_writes += 1
+            self.background_calls += 1
+            args: list[str | int] = [self._namespace, self.replica, _packed(counts), self._load_ttl_ms]
+            await self._call(self._write_load, args)
 
     def take_over(self, takeover: Takeover, request: ClaimRequest, target_capacity_bytes: float) -> None:
         """Write a take-over in the background (not awaited; a failure is counted like a claim's)."""
@@ -299,14 +582,18 @@ class SharedPlacement:
             "\n".join(map(str, request.blocks)),
             "\n".join(map(str, request.sizes)),
         ]
-        task = asyncio.get_running_loop().create_task(self._write_takeover(args))
+        self._background(self._takeover, args)
+
+    def _background(self, script: AsyncScript, args: Sequence[str | int]) -> None:
+        self.background_calls += 1
+        task = asyncio.get_running_loop().create_task(self._call(script, args))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
-    async def _write_takeover(self, args: Sequence[str | int]) -> None:
+    async def _call(self, script: AsyncScript, args: Sequence[str | int]) -> None:
         try:
-            async with asyncio.timeout(self._timeout_s):
-                await self._takeover(args=list(args))
+            async with asyncio.timeout(max(self._timeout_s, BACKGROUND_TIMEOUT_S)):
+                await script(args=list(args))
         except Exception as exc:
             self._failed(exc)
 
@@ -314,6 +601,12 @@ class SharedPlacement:
         try:
             async with asyncio.timeout(max(self._timeout_s, 0.5)):
                 await self._redis.ping()
+                # Loaded up front (a restarted server has none): a script's first call is then one
+                # round trip, not three, and a background take-over lands before the next request.
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    for script in self._scripts:
+                        pipe.script_load(script.script)
+                    await pipe.execute()
         except Exception as exc:
             self._count(exc)
             return False
@@ -347,6 +640,11 @@ class SharedPlacement:
 
     def _mark(self, up: bool, exc: BaseException | None = None) -> None:
         self._up = up
+        if up:
+            self._is_up.set()
+        else:
+            self._is_up.clear()
+            self._wake_all()  # the prefills they wait for may never be said to end
         self._timeouts = 0
         self.up_gauge.set(1 if up else 0)
         if self._said is up:

@@ -11,6 +11,7 @@ prefill to save nothing, since the engine batches them all anyway.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 
 def load_ok(
@@ -75,9 +76,24 @@ class LoadTracker:
     also counts (replicas - 1) times for the others, the number of replicas estimated from the scrape
     (fleet-wide scraped load over this replica's share of it). Releases are not extrapolated, so the
     estimate errs towards a fuller backend, and the next scrape corrects it.
+
+    With shared placement state, the other replicas' own in-flight counts come with each answer of
+    the store (`set_peers`): a figure that needs no estimate. While it is known it replaces the scraped
+    share of the others (which it would mostly count twice), until `clear_peers`.
     """
 
-    __slots__ = ("_external", "_external_extra", "_inflight", "_others", "_since", "_since_total", "_total")
+    __slots__ = (
+        "_external",
+        "_external_extra",
+        "_inflight",
+        "_others",
+        "_peers",
+        "_peers_known",
+        "_peers_total",
+        "_since",
+        "_since_total",
+        "_total",
+    )
 
     def __init__(self) -> None:
         self._inflight: dict[str, int] = {}
@@ -87,6 +103,9 @@ class LoadTracker:
         self._since: dict[str, int] = {}  # placements since the backend's last scrape
         self._since_total = 0
         self._others = 0.0  # estimated other replicas (replicas - 1)
+        self._peers: dict[str, int] = {}  # the other replicas' requests in flight, as the store said
+        self._peers_total = 0
+        self._peers_known = False
 
     def acquire(self, backend_id: str) -> Lease:
         self._inflight[backend_id] = self._inflight.get(backend_id, 0) + 1
@@ -106,6 +125,25 @@ class LoadTracker:
 
     def inflight(self, backend_id: str) -> int:
         return self._inflight.get(backend_id, 0)
+
+    def local_counts(self) -> dict[str, int]:
+        """This replica's requests in flight per backend (backends with none left out)."""
+        return dict(self._inflight)
+
+    def set_peers(self, counts: Iterable[tuple[str, int]]) -> None:
+        """The other replicas' requests in flight per backend, all of them (a backend left out has
+        none); replaces the previous figures."""
+        peers = {backend: count for backend, count in counts if count > 0}
+        self._peers = peers
+        self._peers_total = sum(peers.values())
+        self._peers_known = True
+
+    def clear_peers(self) -> None:
+        """The other replicas' counts are no longer known (the store is down): back to the scraped
+        signal, or local counts only."""
+        self._peers = {}
+        self._peers_total = 0
+        self._peers_known = False
 
     def total_inflight(self) -> int:
         return self._total
@@ -139,6 +177,8 @@ class LoadTracker:
 
     def load(self, backend_id: str) -> float:
         local = self._inflight.get(backend_id, 0)
+        if self._peers_known:
+            return local + self._peers.get(backend_id, 0)
         ext = self._external.get(backend_id)
         if ext is None:
             return local
@@ -146,5 +186,7 @@ class LoadTracker:
         return local + max(0.0, scraped - local_then) + self._others * self._since.get(backend_id, 0)
 
     def total_load(self) -> float:
-        """Load over every backend tracked (in-flight plus other replicas' estimated share)."""
+        """Load over every backend tracked (in-flight plus other replicas' known or estimated share)."""
+        if self._peers_known:
+            return self._total + self._peers_total
         return self._total + self._external_extra + self._others * self._since_total

@@ -125,6 +125,14 @@ class Picker:
         if self._index is not None and key.blocks:
             self._index.record(key.blocks, backend_id)
 
+    def forget_placed(self, key: RoutingKey, backend_id: str, after: int) -> None:
+        """The backend no longer holds the request's blocks past the first `after` (the shared store,
+        which counts every replica's placements, aged or moved them out)."""
+        if self._index is not None:
+            forget = self._index.forget_owner
+            for block in key.blocks[after:]:
+                forget(block, backend_id)
+
     def prefill_started(self, key: RoutingKey, backend_id: str) -> int | None:
         """A streaming request is being sent: its new blocks are pending until prefill_done."""
         if self._index is None or not key.streaming or not key.blocks:

@@ -7,6 +7,14 @@ backend this replica proposed; unowned blocks get the chosen backend as owner (t
 so two replicas never place one prefix twice), and the chosen backend's shared footprint is updated.
 Here the answer becomes the decision: the shared owner when this replica may send to it now, else the
 local decision and a take-over that hands the blocks the claim gave the owner to the local choice.
+
+Two more things travel in the same round trip, because one replica cannot see them alone:
+- pending prefills: a streaming request marks the blocks it is the first to claim (`mark`, expiring on
+  its own), and a claim that follows an owner whose covering blocks another replica is prefilling right
+  now learns that prefill's mark (`wait_for`), to wait, bounded, for its end as one router holds a
+  request back for its own prefills (routing/prefill.py);
+- load: each claim carries this replica's in-flight counts, and the answer the other replicas' counts
+  per backend (`peers`), so the follow limit and the load bound count the fleet's requests.
 """
 
 from __future__ import annotations
@@ -28,6 +36,8 @@ class ClaimRequest:
     proposed: str  # the backend this replica's own pick chose
     capacity_bytes: float  # the proposed backend's KV capacity, as this replica knows it
     listed: tuple[str, ...]  # backends whose shared footprint the answer reports (the ring walk's first)
+    mark: str = ""  # this request prefills the blocks it claims first: they are pending under this mark
+    wait: bool = False  # report another replica's pending prefill of the prefix the claim follows
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +48,20 @@ class ClaimAnswer:
     # Per listed backend: (backend, bytes placed there, the shared clock's reading of its least
     # recently used entry (-1: empty), entries), as Picker.shared_footprints takes them.
     figures: tuple[tuple[str, int, int, int], ...]
+    wait_for: str = ""  # the mark of a prefill pending on `chosen` of a prefix covering the request
+    marked: bool = False  # blocks were marked pending under the request's mark (its end must be said)
+    peers: tuple[tuple[str, int], ...] = ()  # the other replicas' requests in flight, per backend
+    added: int = 0  # bytes this claim added to the chosen backend's footprint (in `figures` already)
+    holders: tuple[str, ...] = ()  # other listed backends holding the prefix followed, in walk order
+
+    def figures_before(self) -> tuple[tuple[str, int, int, int], ...]:
+        """`figures` as they stood before this claim: what a first placement compares."""
+        if not self.added:
+            return self.figures
+        return tuple(
+            (b, max(0, used - self.added) if b == self.chosen else used, oldest, entries)
+            for b, used, oldest, entries in self.figures
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,10 +78,15 @@ class Takeover:
 class Resolution:
     decision: Decision
     takeover: Takeover | None
+    wait_for: str = ""  # wait (bounded) for the end of this prefill before sending
 
 
-def claim_request(key: RoutingKey, local: Decision, picker: Picker, ring: HashRing) -> ClaimRequest:
-    """What to claim for a request whose local decision is `local` (key.blocks must not be empty)."""
+def claim_request(
+    key: RoutingKey, local: Decision, picker: Picker, ring: HashRing, mark: str = "", wait: bool = False
+) -> ClaimRequest:
+    """What to claim for a request whose local decision is `local` (key.blocks must not be empty).
+    `mark`: the request may open a prefill others wait for (only a streaming one does: a
+    non-streaming answer's first byte is its last); `wait`: it may wait for another's."""
     blocks = key.blocks
     covers = picker.covers
     follow = "".join("1" if covers(key, d) else "0" for d in range(1, len(blocks) + 1))
@@ -70,40 +99,113 @@ def claim_request(key: RoutingKey, local: Decision, picker: Picker, ring: HashRi
         local.backend_id,
         capacity,
         tuple(itertools.islice(ring.walk(key.ring_hash), ROOM_CHOICES)),
+        mark if key.streaming else "",
+        wait,
     )
 
 
 def resolve(
-    local: Decision, answer: ClaimAnswer, usable: Collection[str], may_follow: Callable[[str], bool]
+    local: Decision,
+    answer: ClaimAnswer,
+    usable: Collection[str],
+    may_follow: Callable[[str], bool],
+    repick: Callable[[], Decision | None] | None = None,
 ) -> Resolution:
     """The final decision: the shared owner when it is usable and under max_inflight, else the
-    local decision (and the blocks the claim gave the owner move to it)."""
+    local decision (and the blocks the claim gave the owner move to it).
+
+    The local decision was taken on the figures of this replica's previous answer; `repick` is the
+    local pick again on this answer's (the footprints as they stood before this claim, the other
+    replicas' counts now). It decides instead when those put the local choice at max_inflight, and
+    for a first placement, nobody's prefix followed: replicas placing new prefixes at the same moment
+    would otherwise all take the backend that was roomiest before any of them. A local follow the
+    store does not confirm is one too: the store aged the prefix out of that backend (each replica's
+    own ledgers count only its own placements, so its index keeps owners the fleet has evicted); the
+    caller forgets them (Picker.forget_placed) before `repick` runs."""
     chosen = answer.chosen
-    if chosen == local.backend_id:
+    first = (
+        repick is not None
+        and chosen == local.backend_id
+        and not answer.followed
+        and local.branch in (Branch.CACHE_ROOM, Branch.PREFIX_MATCH)
+    )
+    if chosen == local.backend_id and not first and (repick is None or may_follow(chosen)):
         if answer.followed and local.branch is not Branch.PREFIX_MATCH:
-            return Resolution(Decision(chosen, Branch.PREFIX_MATCH), None)
-        return Resolution(local, None)
-    if chosen in usable and may_follow(chosen):
-        return Resolution(Decision(chosen, Branch.PREFIX_MATCH), None)
+            return Resolution(Decision(chosen, Branch.PREFIX_MATCH), None, answer.wait_for)
+        return Resolution(local, None, answer.wait_for)
+    if chosen != local.backend_id and chosen in usable and may_follow(chosen):
+        return Resolution(Decision(chosen, Branch.PREFIX_MATCH), None, answer.wait_for)
+    after = answer.depth if chosen in usable else 0
+    if answer.followed:
+        # The owner cannot take it: another backend that holds the prefix, in the walk's order (every
+        # replica spills a hot prefix to the same one, as one router spills to its index's next owner).
+        for holder in answer.holders:
+            if holder in usable and may_follow(holder):
+                if holder == local.backend_id:
+                    return Resolution(local, Takeover(chosen, holder, after))
+                return Resolution(Decision(holder, Branch.PREFIX_MATCH), Takeover(chosen, holder, after))
+    instead = local
+    if repick is not None and (first or not may_follow(local.backend_id)):
+        again = repick()
+        if (
+            again is not None
+            and may_follow(again.backend_id)
+            and (not first or again.branch is Branch.CACHE_ROOM)
+        ):
+            instead = again
+    if instead.backend_id == chosen:  # the claim's choice stands
+        return Resolution(instead, None, answer.wait_for)
     # A backend that cannot take requests (gone, ejected, draining) loses every block it owns here;
     # one that is only at its bound keeps what it held before this claim.
-    after = answer.depth if chosen in usable else 0
-    return Resolution(local, Takeover(chosen, local.backend_id, after))
+    return Resolution(instead, Takeover(chosen, instead.backend_id, after))
+
+
+def stale_follow(local: Decision, answer: ClaimAnswer) -> bool:
+    """Did this replica follow its own index's owner of a prefix the store no longer places there?"""
+    return local.branch is Branch.PREFIX_MATCH and answer.chosen == local.backend_id and not answer.followed
+
+
+def after_prefill(
+    decision: Decision, prefilled_on: str, usable: Collection[str], may_follow: Callable[[str], bool]
+) -> Decision:
+    """Where a request goes once the prefill it waited for ended on `prefilled_on`: there, when it
+    may (the prefill's own request may have moved off the owner the claim named), else as decided."""
+    if prefilled_on == decision.backend_id or prefilled_on not in usable or not may_follow(prefilled_on):
+        return decision
+    return Decision(prefilled_on, Branch.PREFIX_MATCH)
+
+
+NO_MARK = "-"  # in a reply: no pending prefill to wait for
 
 
 def parse_answer(reply: object, listed: Sequence[str]) -> ClaimAnswer:
-    """The claim script's reply, one newline-joined string: chosen, depth, followed, then bytes used,
-    oldest use and entries of each listed backend. Raises ValueError when it is not that shape."""
+    """The claim script's reply, one newline-joined string: chosen, depth, followed, the mark to wait
+    for (NO_MARK: none), marked, bytes added to the chosen backend's footprint, the listed backends
+    that hold the prefix followed ('0'/'1' each, NO_MARK: none followed); bytes used, oldest use and
+    entries of each listed backend; then pairs
+    of backend and the other replicas' requests in flight there. Raises ValueError when it is not
+    that shape."""
     if isinstance(reply, bytes):
         reply = reply.decode("utf-8", "surrogateescape")
     if not isinstance(reply, str):
         raise ValueError(f"claim reply is {type(reply).__name__}, not a string")
     items = reply.split("\n")
-    if len(items) != 3 + 3 * len(listed) or not items[0]:
+    head = 7 + 3 * len(listed)
+    if len(items) < head or (len(items) - head) % 2 or not items[0] or not items[3]:
         raise ValueError(f"claim reply has {len(items)} items for {len(listed)} backends")
-    numbers = [int(item) for item in items[1:]]  # ValueError on anything else
+    # int() raises ValueError on anything but a number
+    depth, followed, marked, added = int(items[1]), int(items[2]), int(items[4]), int(items[5])
+    numbers = [int(item) for item in items[7:head]]
+    bits = items[6]
+    if bits != NO_MARK and (len(bits) != len(listed) or bits.strip("01")):
+        raise ValueError("claim reply's holders do not match the backends listed")
+    holders = tuple(b for b, bit in zip(listed, bits, strict=False) if bit == "1") if bits != NO_MARK else ()
     figures = tuple(
-        (backend, numbers[2 + 3 * i], numbers[3 + 3 * i], numbers[4 + 3 * i])
-        for i, backend in enumerate(listed)
+        (backend, numbers[3 * i], numbers[1 + 3 * i], numbers[2 + 3 * i]) for i, backend in enumerate(listed)
     )
-    return ClaimAnswer(items[0], numbers[0], numbers[1] == 1, figures)
+    rest = items[head:]
+    peers = tuple((rest[i], int(rest[i + 1])) for i in range(0, len(rest), 2))
+    if any(not backend or count < 0 for backend, count in peers):
+        raise ValueError("claim reply names a backend without a name or a count below 0")
+    wait_for = "" if items[3] == NO_MARK else items[3]
+    return ClaimAnswer(items[0], depth, followed == 1, figures, wait_for, marked == 1, peers, added, holders)

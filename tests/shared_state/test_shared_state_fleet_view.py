@@ -1,0 +1,134 @@
+"""What one replica cannot see alone, seen through the shared store by real routers: a prefill another
+router started (the request waits for its first byte, as one router holds back its own), and the
+requests other routers have in flight on a backend (the follow limit counts them). A Redis killed
+while a request waits for another router's prefill lets it go at once."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import httpx
+import orjson
+
+from redisserver import RedisServer
+from routerkit import RunningRouter, eventually, router_settings
+
+CHAT = "/v1/chat/completions"
+BACKEND_HEADER = "x-prefix-router-backend"
+SYSTEM = "a long system prompt shared by one group of requests " * 40
+
+
+async def _routers(
+    router: Any, backends: list[Any], url: str, n: int, **sections: Any
+) -> list[RunningRouter]:
+    routing = {"shared_state_url": url, "shared_state_timeout_s": 2.0, **sections.pop("routing", {})}
+    routers = [await router(router_settings(backends, routing=routing, **sections)) for _ in range(n)]
+    for r in routers:
+        shared = r.app.shared
+        assert shared is not None
+        await eventually(lambda shared=shared: shared.up and shared.can_wait)  # type: ignore[misc]
+    return routers
+
+
+def _body(question: str, stream: bool) -> dict[str, object]:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    return {"model": "m", "stream": stream, "messages": messages}
+
+
+async def _stream(s: aiohttp.ClientSession, r: RunningRouter, question: str) -> str:
+    async with s.post(f"{r.url}/stream?n=2", json=_body(question, True)) as resp:
+        assert resp.status == 200
+        await resp.read()
+        return resp.headers[BACKEND_HEADER]
+
+
+async def _second_held(
+    s: aiohttp.ClientSession, backends: list[Any], first_router: RunningRouter, second_router: RunningRouter
+) -> tuple[asyncio.Task[str], asyncio.Task[str]]:
+    """A stream through the first router, then one for the same prefix through the second, which
+    is held while the first one prefills."""
+    first = asyncio.create_task(_stream(s, first_router, "first question"))
+    await eventually(lambda: sum(len(b.seen) for b in backends) == 1)
+    second = asyncio.create_task(_stream(s, second_router, "second question"))
+    await asyncio.sleep(0.2)
+    assert sum(len(b.seen) for b in backends) == 1, "held while the other router's request prefills"
+    return first, second
+
+
+def _sample(r: RunningRouter, name: str, labels: dict[str, str]) -> float:
+    return r.app.registry.get_sample_value(name, labels) or 0.0
+
+
+async def test_a_stream_waits_for_the_prefill_another_router_started_of_its_prefix(
+    fake_backends: Any, router: Any, redis_server: RedisServer
+) -> None:
+    backends = await fake_backends(4)
+    for b in backends:
+        b.first_chunk_delay_s = 0.5  # a prefill
+    first_router, second_router = await _routers(router, backends, redis_server.url, 2)
+
+    async with aiohttp.ClientSession() as s:
+        first, second = await _second_held(s, backends, first_router, second_router)
+        home1, home2 = await asyncio.gather(first, second)
+    assert home1 == home2
+    home = next(b for b in backends if b.url == home1)
+    assert home.seen[1].at >= home.first_chunk_at[0], "sent after the first one's first byte"
+    ready = {"outcome": "ready"}
+    assert _sample(second_router, "prefix_router_prefill_waits_total", ready) == 1
+    assert _sample(first_router, "prefix_router_prefill_waits_total", ready) == 0
+
+
+async def test_the_follow_limit_counts_the_requests_other_routers_have_in_flight(
+    fake_backends: Any, router: Any, client: httpx.AsyncClient, redis_server: RedisServer
+) -> None:
+    backends = await fake_backends(3)
+    gate = asyncio.Event()
+    for b in backends:
+        b.gate = gate  # requests stay in flight until the gate opens
+    routers = await _routers(router, backends, redis_server.url, 3, balancing={"max_inflight": 2})
+
+    async def send(r: RunningRouter, body: dict[str, object]) -> str:
+        resp = await client.post(
+            r.url + CHAT, content=orjson.dumps(body), headers={"content-type": "application/json"}
+        )
+        assert resp.status_code == 200, resp.text
+        return resp.headers[BACKEND_HEADER]
+
+    held = [asyncio.create_task(send(routers[i], _body(f"question {i}", False))) for i in range(2)]
+    await eventually(lambda: sum(len(b.seen) for b in backends) == 2)
+    owner = next(b for b in backends if b.seen).url
+    assert sum(len(b.seen) for b in backends if b.url == owner) == 2  # the second router followed
+    # The third router has nothing in flight itself; what the store says of the others decides.
+    third = asyncio.create_task(send(routers[2], _body("question 2", False)))
+    await eventually(lambda: sum(len(b.seen) for b in backends) == 3)
+    assert sum(len(b.seen) for b in backends if b.url == owner) == 2, "the owner is at max_inflight"
+    gate.set()
+    homes = await asyncio.gather(*held, third)
+    assert homes[:2] == [owner, owner] and homes[2] != owner
+
+
+async def test_redis_killed_while_a_request_waits_for_another_routers_prefill_lets_it_go(
+    fake_backends: Any, router: Any, redis_server: RedisServer
+) -> None:
+    backends = await fake_backends(3)
+    for b in backends:
+        b.first_chunk_delay_s = 3.0  # a long prefill: the wait would last until its first byte
+    first_router, second_router = await _routers(
+        router, backends, redis_server.url, 2, routing={"prefill_wait_s": 30.0}
+    )
+
+    async with aiohttp.ClientSession() as s:
+        first, second = await _second_held(s, backends, first_router, second_router)
+        redis_server.kill()
+        # Nobody can say when that prefill ends now: the request is sent at once, and answered.
+        await eventually(lambda: sum(len(b.seen) for b in backends) == 2, timeout_s=2.5)
+        assert not any(b.first_chunk_at for b in backends), "sent before the first one's first byte"
+        await asyncio.gather(first, second)
+    assert not second_router.app.shared or not second_router.app.shared.can_wait
+    # And the next requests route from local state, with the other routers' counts forgotten.
+    third = _body("third question", False)
+    async with aiohttp.ClientSession() as s, s.post(f"{second_router.url}{CHAT}", json=third) as resp:
+        assert resp.status == 200
+    assert second_router.app.backends.load.total_load() == 0
