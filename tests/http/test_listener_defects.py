@@ -334,6 +334,26 @@ async def test_an_http09_request_line_is_refused_at_once_wherever_it_comes_on_th
     assert [s.path for s in backend.seen] == ([] if before == "fresh" else ["/a"])
 
 
+@pytest.mark.parametrize("target", ["/", "/x"])
+async def test_an_http09_line_after_a_split_request_for_the_same_target_is_refused_at_once(
+    fake_backends: MakeBackends, router: MakeRouter, target: str
+) -> None:
+    """The request line of a head split across reads is checked once; what marks it checked must be
+    this message's own, even where two messages' targets are one object (one-byte bytes are shared)."""
+    backend, r = await started(fake_backends, router, header_timeout_s=60.0)
+    async with connection(r.port) as (reader, writer):
+        writer.write(f"GET {target} HTTP/1.1\r\n".encode())
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(b"Host: x\r\n\r\n")
+        assert (await read_response(reader)).header("x-fake-backend") == backend.name
+        writer.write(f"GET {target}\r\n".encode())
+        refused = await read_response(reader, timeout_s=10)  # well before the 60 s head timeout
+        assert refused.status == 400 and refused.json()["error"]["code"] == "bad_request"
+        assert await closed_by_peer(reader)
+    assert len(backend.seen) == 1
+
+
 @pytest.mark.parametrize(
     ("before", "first"),
     [

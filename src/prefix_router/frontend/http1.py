@@ -290,7 +290,9 @@ class HttpProtocol(asyncio.Protocol):
         self._upgraded = False  # a CONNECT: nothing after it is HTTP
         self._held = bytearray()  # bytes of a head (or trailer) field not fed yet: no line end seen
         self._line_tail = b""  # the open request line's bytes at the end of the last feed, if any
-        self._line_checked: bytes | None = None  # the target of the request whose request line passed
+        # The request whose request line passed its checks, by the identity of its field list (each
+        # message gets a new one; its target would not do: one-byte bytes objects are shared).
+        self._line_checked: list[tuple[bytes, bytes]] | None = None
         # the request being parsed
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
@@ -403,7 +405,7 @@ class HttpProtocol(asyncio.Protocol):
         in which the target grew holds the request line's end; otherwise one that reads as a field
         (a name, then a colon) is taken for one, as is a request line behind a body's last bytes that
         looks like a field (`a:bGET /x`), left to the end of the head."""
-        if self._line_checked is self._url:
+        if self._line_checked is self._headers:
             return False
         return target_grew or not _reads_as_field(line)
 
@@ -411,7 +413,7 @@ class HttpProtocol(asyncio.Protocol):
         """Refuse a whole request line (perhaps after the last bytes of the message before it) that
         llhttp passes but that is not HTTP/1.x: an RTSP/ or ICE/ protocol, or none (HTTP/0.9, which
         ends with its target and has no head to wait for)."""
-        self._line_checked = self._url  # by identity: each message's target is a new object
+        self._line_checked = self._headers
         protocol = line.rstrip(b"\r\n").rpartition(b" ")[2]
         if protocol == self._url:
             self._reject(BadRequest("HTTP/0.9 requests are not supported"))
@@ -430,7 +432,7 @@ class HttpProtocol(asyncio.Protocol):
         end of the head decides. `tail` is what an earlier read brought of the last line (a head's
         segments without a line end are held, so a line is split in two at most)."""
         url = self._url
-        if self._line_checked is url:
+        if self._line_checked is self._headers:
             return
         end = data.rfind(b"\n")
         if end < 0 or url in data[end + 1 :]:
