@@ -1,10 +1,12 @@
-"""Other clients' /healthz latency while clients flood the router with header fields that never end.
+"""Other clients' /healthz latency while header fields that never end flood the router.
 
 `--flooders` clients (4) each open a connection, send a request line and `X-Flood: ` and then 1 KiB of
-`a` after 1 KiB, never a line end, until the router answers; then again on a new connection. Meanwhile
-one client sends `GET /healthz` every 10 ms on a kept-alive connection (`--probes` of them). Reported:
-/healthz p50/p99/max, and how the flood connections were answered (431 expected). The router runs as its
-own process with default settings, in front of the sink backend of listener_memory.py.
+`a` after 1 KiB, never a line end, until the router answers; then again on a new connection. With
+`--from backend` they send `GET /flood` instead, which the backend answers with a response head whose
+field never ends. Meanwhile one client sends `GET /healthz` every 10 ms on a kept-alive connection
+(`--probes` of them). Reported: /healthz p50/p99/max, and how the flood requests were answered (431
+expected from clients, 502 from the backend). The router runs as its own process with default settings,
+in front of the sink backend of listener_memory.py.
 """
 
 from __future__ import annotations
@@ -37,9 +39,25 @@ async def flooder(port: int, answers: Counter[str]) -> None:
         writer.close()
 
 
-async def run(port: int, flooders: int, probes: int) -> dict[str, object]:
+async def backend_flooder(port: int, answers: Counter[str]) -> None:
+    """`GET /flood` over and over: the backend floods each answer's head; the router answers 502."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    while True:
+        writer.write(b"GET /flood HTTP/1.1\r\nHost: x\r\n\r\n")
+        try:
+            resp = await read_response(reader, timeout_s=60)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            answers["reset"] += 1
+            writer.close()
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            continue
+        answers[str(resp.status)] += 1
+
+
+async def run(port: int, flooders: int, probes: int, source: str) -> dict[str, object]:
     answers: Counter[str] = Counter()
-    tasks = [asyncio.ensure_future(flooder(port, answers)) for _ in range(flooders)]
+    flood = flooder if source == "client" else backend_flooder
+    tasks = [asyncio.ensure_future(flood(port, answers)) for _ in range(flooders)]
     await asyncio.sleep(0.5)
     latencies = []
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -55,6 +73,7 @@ async def run(port: int, flooders: int, probes: int) -> dict[str, object]:
     await asyncio.gather(*tasks, return_exceptions=True)
     latencies.sort()
     return {
+        "flood_from": source,
         "flooders": flooders,
         "healthz_probes": probes,
         "healthz_p50_ms": round(latencies[len(latencies) // 2] * 1000, 2),
@@ -68,10 +87,11 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--flooders", type=int, default=4)
     p.add_argument("--probes", type=int, default=300)
+    p.add_argument("--from", dest="source", choices=["client", "backend"], default="client")
     args = p.parse_args()
     meta = print_header("Listener under a header flood", {"prefix-router": package_version("prefix-router")})
     with lm.router_on_sink(None) as router:
-        result = asyncio.run(run(router.port, args.flooders, args.probes))
+        result = asyncio.run(run(router.port, args.flooders, args.probes, args.source))
     print(markdown_table(["figure", "value"], list(result.items())))
     report_results("listener_flood", {**meta, **result})
     return 0

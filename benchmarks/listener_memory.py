@@ -39,14 +39,38 @@ MiB = 1024 * 1024
 
 
 class SinkBackend(asyncio.Protocol):
+    """Also answers `GET /flood` with a response head whose one field never ends (for listener_flood.py),
+    written as fast as the router reads it, until the router closes the connection."""
+
     def __init__(self) -> None:
         self.buf = bytearray()
         self.need = -1
         self.got = 0
         self.transport: asyncio.Transport | None = None
+        self.writable = asyncio.Event()
+        self.writable.set()
+        self.flooding: asyncio.Future[None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+
+    def pause_writing(self) -> None:
+        self.writable.clear()
+
+    def resume_writing(self) -> None:
+        self.writable.set()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.writable.set()
+
+    async def flood_head(self) -> None:
+        transport = self.transport
+        assert transport is not None
+        transport.write(b"HTTP/1.1 200 OK\r\nx-flood: ")
+        while not transport.is_closing():
+            transport.write(b"a" * 4096)
+            await self.writable.wait()
+            await asyncio.sleep(0)
 
     def data_received(self, data: bytes) -> None:
         if self.need < 0:
@@ -55,6 +79,10 @@ class SinkBackend(asyncio.Protocol):
             if end < 0:
                 return
             head = bytes(self.buf[:end]).lower()
+            if head.startswith(b"get /flood "):
+                self.buf = bytearray()
+                self.flooding = asyncio.ensure_future(self.flood_head())
+                return
             length = 0
             for line in head.split(b"\r\n")[1:]:
                 name, _, value = line.partition(b":")

@@ -402,6 +402,27 @@ PIPELINING = [
         id="get-then-garbage",
     ),
     pytest.param(
+        head("Host: x", method="GET", target="/a") + b"GET /x\r\n", refused(400, "/a"), id="get-then-http-0.9"
+    ),
+    pytest.param(
+        head("Host: x", "Content-Length: 5", target="/a") + b"hello" + b"GET /x\r\n",
+        refused(400, "/a"),
+        id="post-then-http-0.9",
+    ),
+    # what the HTTP/0.9 check reads must not take a 1.x request for one: a body line, a dropped field
+    pytest.param(
+        head("Host: x", "Content-Length: 6", target="/a")
+        + b"b /x\r\n"
+        + head("Host: x", method="GET", target="/x"),
+        ok("/a", "/x", bodies=(b"b /x\r\n", b"")),
+        id="body-line-like-http-0.9-then-get",
+    ),
+    pytest.param(
+        head("Host: x", method="GET", target="/a") + b"GET /x HTTP/1.1\r\nX_A: b /x\r\nHost: x\r\n\r\n",
+        ok("/a", "/x"),
+        id="get-then-dropped-field-like-http-0.9",
+    ),
+    pytest.param(
         head("Host: x", method="GET", target="/a")
         + head("Host: x", "Content-Length: 5", "Content-Length: 6"),
         refused(400, "/a"),
@@ -484,6 +505,11 @@ PROTOCOLS = [
         b"GET /RTSP/1.0 HTTP/1.1\r\nHost: x\r\nX: GET /RTSP/1.0 RTSP/1.0\r\n\r\n",
         ok("/RTSP/1.0"),
         id="rtsp-in-target-and-field",
+    ),
+    pytest.param(
+        b"GET /x HTTP/1.1\r\nX: a RTSP/1.0\r\nHost: x\r\n\r\n",
+        ok("/x"),
+        id="rtsp-at-the-end-of-the-first-field",
     ),
     pytest.param(
         head("Host: x", "Content-Length: 40", target="/a")

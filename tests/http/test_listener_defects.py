@@ -304,6 +304,83 @@ async def test_framing_and_version_refusals_are_answered_at_once_then_closed(
     assert backend.seen == []
 
 
+HTTP09_LINE = b"GET /x\r\n"
+
+
+@pytest.mark.parametrize("bytewise", [False, True], ids=["whole", "byte-by-byte"])
+@pytest.mark.parametrize("before", ["fresh", "pipelined", "after-response"])
+async def test_an_http09_request_line_is_refused_at_once_wherever_it_comes_on_the_connection(
+    fake_backends: MakeBackends, router: MakeRouter, before: str, bytewise: bool
+) -> None:
+    """llhttp keeps the previous message's version until the next one's head ends, so after a kept-alive
+    HTTP/1.1 request a bare `GET /x` line looked versioned and waited for the head timeout. It must be
+    refused at once, as on a fresh connection, whole or one byte per read."""
+    backend, r = await started(fake_backends, router, header_timeout_s=60.0)
+    async with connection(r.port) as (reader, writer):
+        if before != "fresh":
+            writer.write(request("GET", "/a"))
+        if before == "after-response":
+            assert (await read_response(reader)).json()["path"] == "/a"
+        for piece in [HTTP09_LINE[i : i + 1] for i in range(len(HTTP09_LINE))] if bytewise else [HTTP09_LINE]:
+            writer.write(piece)
+            await writer.drain()
+            if bytewise:
+                await asyncio.sleep(0.01)  # each byte its own read
+        if before == "pipelined":
+            assert (await read_response(reader)).json()["path"] == "/a"
+        refused = await read_response(reader, timeout_s=10)  # well before the 60 s head timeout
+        assert refused.status == 400 and refused.json()["error"]["code"] == "bad_request"
+        assert await closed_by_peer(reader)
+    assert [s.path for s in backend.seen] == ([] if before == "fresh" else ["/a"])
+
+
+@pytest.mark.parametrize("target", ["/", "/x"])
+async def test_an_http09_line_after_a_split_request_for_the_same_target_is_refused_at_once(
+    fake_backends: MakeBackends, router: MakeRouter, target: str
+) -> None:
+    """The request line of a head split across reads is checked once; what marks it checked must be
+    this message's own, even where two messages' targets are one object (one-byte bytes are shared)."""
+    backend, r = await started(fake_backends, router, header_timeout_s=60.0)
+    async with connection(r.port) as (reader, writer):
+        writer.write(f"GET {target} HTTP/1.1\r\n".encode())
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(b"Host: x\r\n\r\n")
+        assert (await read_response(reader)).header("x-fake-backend") == backend.name
+        writer.write(f"GET {target}\r\n".encode())
+        refused = await read_response(reader, timeout_s=10)  # well before the 60 s head timeout
+        assert refused.status == 400 and refused.json()["error"]["code"] == "bad_request"
+        assert await closed_by_peer(reader)
+    assert len(backend.seen) == 1
+
+
+@pytest.mark.parametrize(
+    ("before", "first"),
+    [
+        pytest.param(b"", b"GET /x HTTP/1.1\r\nX_A: b /x\r\n", id="dropped-field-ending-like-the-target"),
+        pytest.param(b"", b"GET /x HTTP/1.1\r\n", id="request-line-alone"),
+        pytest.param(b"", b"GET /x HTTP/1.1\r\nX: a RTSP/1.0\r\n", id="first-field-ending-like-rtsp"),
+        pytest.param(b'{"a":1}', b"GET /x HTTP/1.1\r\n", id="behind-a-body-ending-like-a-field"),
+        pytest.param(b"q /x\r\na:b", b"GET /x HTTP/1.1\r\n", id="behind-a-body-line-ending-like-the-target"),
+    ],
+)
+async def test_a_versioned_head_split_after_a_line_ending_like_its_target_is_served(
+    fake_backends: MakeBackends, router: MakeRouter, before: bytes, first: bytes
+) -> None:
+    """The request-line checks (HTTP/0.9, RTSP/) read the last lines of a head split across reads: a
+    field (reported only once the next begins) or the end of a body before the request line must not
+    pass for a request line that is not HTTP/1.x."""
+    backend, r = await started(fake_backends, router, header_timeout_s=60.0)
+    async with connection(r.port) as (reader, writer):
+        writer.write(request("POST", "/a", before) + first)
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(b"Host: x\r\n\r\n")
+        assert [(await read_response(reader)).json()["path"] for _ in range(2)] == ["/a", "/x"]
+    assert [s.path for s in backend.seen] == ["/a", "/x"]
+    assert backend.seen[0].body == before
+
+
 async def test_http10_without_host_is_still_served(fake_backends: MakeBackends, router: MakeRouter) -> None:
     _, r = await started(fake_backends, router)
     async with connection(r.port) as (reader, writer):

@@ -297,6 +297,9 @@ class HttpProtocol(asyncio.Protocol):
         self._upgraded = False  # a CONNECT: nothing after it is HTTP
         self._held = bytearray()  # bytes of a head (or trailer) field not fed yet: no line end seen
         self._line_tail = b""  # the open request line's bytes at the end of the last feed, if any
+        # The request whose request line passed its checks, by the identity of its field list (each
+        # message gets a new one; its target would not do: one-byte bytes objects are shared).
+        self._line_checked: list[tuple[bytes, bytes]] | None = None
         # the request being parsed
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
@@ -355,19 +358,18 @@ class HttpProtocol(asyncio.Protocol):
         self._feed(data)
 
     def _feed(self, data: bytes) -> None:
-        if b"RTSP/" in data or b"ICE/" in data or self._line_tail:
+        tail = self._line_tail
+        if tail or b"RTSP/" in data or b"ICE/" in data:
             if not self._feed_lines(data):
                 return
         elif not self._parse(data):
             return
-        if self._in_head and not self._rejected:
-            if self._head_size == len(self._url):
-                # The request line (or the first field line after it) is still open: rare, a head
-                # split across reads. Its start is kept for _feed_lines, in case a protocol name
-                # is split too.
-                self._line_tail = data[data.rfind(b"\n") + 1 :]
-            if not self._headers and self._url:
-                self._check_http09(data)
+        if self._in_head and not self._rejected and self._head_size == len(self._url):
+            # The request line (or the first field line after it) is still open: rare, a head split
+            # across reads. Its start is kept for _feed_lines, in case a protocol name is split too.
+            self._line_tail = data[data.rfind(b"\n") + 1 :]
+            if self._url:
+                self._check_http09(data, tail)
 
     def _parse(self, data: bytes, rest: bytes = b"") -> bool:
         """Feed the parser; False when it stopped (an error, or an Upgrade offer handed on with `rest`,
@@ -386,33 +388,70 @@ class HttpProtocol(asyncio.Protocol):
     def _feed_lines(self, data: bytes) -> bool:
         """Bytes that may hold an RTSP/ or ICE/ request line: llhttp accepts those protocol names and
         httptools reports only their version, so they would pass for HTTP. Fed one line at a time, so
-        that the line ending a request line is known: no field counted yet, still in the head. That
-        line is the end of the request line (which holds no line end), and its last word the protocol.
-        Only segments holding either name come here, so the usual request costs two byte scans."""
+        that the line ending a request line is known (see _ends_request_line). Only segments holding
+        either name, or a head split across reads, come here, so the usual request costs two byte
+        scans."""
         tail, self._line_tail = self._line_tail, b""
         start, size = 0, len(data)
         while start < size and not self._rejected:
             end = data.find(b"\n", start) + 1 or size
             piece = data[start:end]
+            url = self._url
             if not self._parse(piece, data[end:]):
                 return False
             if piece[-1:] == b"\n" and self._in_head and self._head_size == len(self._url):
                 line = tail + piece if start == 0 else piece
-                protocol = line.rstrip(b"\r\n").rpartition(b" ")[2]
-                if protocol.startswith((b"RTSP/", b"ICE/")):
-                    name = protocol.partition(b"/")[0].decode("ascii")
-                    self._reject(BadRequest(f"{name} is not HTTP: this port speaks HTTP/1.1"))
+                if self._ends_request_line(line, self._url is not url) and not self._request_line_ok(line):
                     return False
             start = end
         return True
 
-    def _check_http09(self, data: bytes) -> None:
-        """`GET /x` and a line end: an HTTP/0.9 request, which has no head to wait for. llhttp reports
-        version 0.0 until a header line follows; a 1.x request line sets its version at its line end."""
-        if self._parser.get_http_version() != "0.0" or b"\n" not in data:
-            return
-        if self._url not in data[data.rfind(b"\n") + 1 :]:
+    def _ends_request_line(self, line: bytes, target_grew: bool) -> bool:
+        """Is this complete line, fed whole in a head with no field counted, its request line? It is
+        that or the first field line: httptools reports a field only once the next one begins. A line
+        in which the target grew holds the request line's end; otherwise one that reads as a field
+        (a name, then a colon) is taken for one, as is a request line behind a body's last bytes that
+        looks like a field (`a:bGET /x`), left to the end of the head."""
+        if self._line_checked is self._headers:
+            return False
+        return target_grew or not _reads_as_field(line)
+
+    def _request_line_ok(self, line: bytes) -> bool:
+        """Refuse a whole request line (perhaps after the last bytes of the message before it) that
+        llhttp passes but that is not HTTP/1.x: an RTSP/ or ICE/ protocol, or none (HTTP/0.9, which
+        ends with its target and has no head to wait for)."""
+        self._line_checked = self._headers
+        protocol = line.rstrip(b"\r\n").rpartition(b" ")[2]
+        if protocol == self._url:
             self._reject(BadRequest("HTTP/0.9 requests are not supported"))
+            return False
+        if protocol.startswith((b"RTSP/", b"ICE/")):
+            name = protocol.partition(b"/")[0].decode("ascii")
+            self._reject(BadRequest(f"{name} is not HTTP: this port speaks HTTP/1.1"))
+            return False
+        return True
+
+    def _check_http09(self, data: bytes, tail: bytes) -> None:
+        """A head still open, with no field counted: has its request line ended without a protocol?
+        llhttp gives no sign before the head ends (it reports 0.0 on a fresh parser, and the previous
+        message's version on a kept-alive one), so the line itself is read: the last complete line,
+        or the one before when the last reads as a field. Where the two readings could differ, the
+        end of the head decides. `tail` is what an earlier read brought of the last line (a head's
+        segments without a line end are held, so a line is split in two at most)."""
+        url = self._url
+        if self._line_checked is self._headers:
+            return
+        end = data.rfind(b"\n")
+        if end < 0 or url in data[end + 1 :]:
+            return  # the request line is still open (or may be)
+        start = data.rfind(b"\n", 0, end) + 1
+        line = data[start:end] if start else tail + data[:end]
+        if _reads_as_field(line):
+            if not start or b" " + url in line:
+                return  # the request line is in an earlier read, or this may be it behind a body
+            before = data.rfind(b"\n", 0, start - 1) + 1
+            line = data[before : start - 1] if before else tail + data[: start - 1]
+        self._request_line_ok(line)
 
     def _upgrade(self, rest: bytes) -> None:
         """llhttp stopped at a request offering Upgrade (h2c, websocket). The router never switches
@@ -928,6 +967,12 @@ class HttpProtocol(asyncio.Protocol):
         self.closing = True
         if not self.busy and self.transport is not None:
             self.transport.close()
+
+
+def _reads_as_field(line: bytes) -> bool:
+    """A field name then a colon: a request line has a space (after its method) before any colon."""
+    colon = line.find(b":")
+    return colon > 0 and b" " not in line[:colon] and b"\t" not in line[:colon]
 
 
 def _host_ok(host: bytes) -> bool:

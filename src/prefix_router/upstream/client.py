@@ -12,12 +12,15 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 from urllib.parse import urlsplit
 
 from prefix_router.errors import FirstByteTimeout, UpstreamError
 from prefix_router.upstream.config import UpstreamConfig
 from prefix_router.upstream.http1 import BodySink, Connection, Origin, StaleConnection
-from prefix_router.upstream.pool import ConnectionBudget, Pool
+from prefix_router.upstream.pool import CONNECT_GRACE_S, ConnectionBudget, Pool
+
+T = TypeVar("T")
 
 # RFC 9110 §7.6.1 hop-by-hop fields, plus what the relay re-frames itself.
 HOP_BY_HOP = frozenset(
@@ -83,6 +86,36 @@ def response_headers(raw: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes, by
 
 _BODY_METHODS = frozenset({b"POST", b"PUT", b"PATCH"})
 _IDEMPOTENT = frozenset({b"GET", b"HEAD", b"PUT", b"DELETE", b"OPTIONS"})  # RFC 9110 §9.2.2
+
+
+# A side request's deadline is checked this many times over its timeout: how late each check comes is
+# the time the loop was stalled, which is not counted against the backend.
+_DEADLINE_CHECKS = 8
+
+
+async def wait_for_awake(task: asyncio.Future[T], timeout_s: float) -> T:
+    """`task`'s result, or TimeoutError (the task cancelled) after `timeout_s` of time in which the loop
+    was awake. The deadline is read on the loop's clock, which a stalled loop reads late: the
+    backend's answer (or the kernel's connect) that came during a stall is seen only after it, in the
+    turn the timer fires. So the deadline is checked in steps, and what each check comes late (the
+    loop's stall) is given back; after the last, one more poll of the sockets (CONNECT_GRACE_S). With
+    the loop on time, a backend that does not answer fails at `timeout_s`, as with a plain timeout."""
+    left = timeout_s
+    step_s = timeout_s / _DEADLINE_CHECKS
+    try:
+        while left > 0:
+            step = min(step_s, left)
+            await asyncio.wait((task,), timeout=step)
+            if task.done():
+                return task.result()
+            left -= step  # a late check's lateness is not taken off: the loop was not awake
+        await asyncio.wait((task,), timeout=CONNECT_GRACE_S)
+        if task.done():
+            return task.result()
+        raise TimeoutError
+    finally:
+        if not task.done():
+            task.cancel()
 
 
 class UpstreamResponse:
@@ -217,29 +250,30 @@ class Upstream:
         return pool
 
     async def fetch(self, url: str, timeout_s: float) -> tuple[int, bytes] | None:
-        """GET a side URL of a backend (health, metrics): (status, body), or None if it failed."""
+        """GET a side URL of a backend (health, metrics): (status, body), or None if it failed.
+
+        `timeout_s` is counted in time the loop was awake to see an answer (wait_for_awake): a probe
+        the backend answered while the router's loop was stalled is answered, not timed out."""
         parts = urlsplit(url)
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        getting = asyncio.ensure_future(
+            self._get_whole(f"{parts.scheme}://{parts.netloc}", target.encode("latin-1"))
+        )
         try:
-            async with asyncio.timeout(timeout_s):
-                resp = await self.send(
-                    "GET",
-                    f"{parts.scheme}://{parts.netloc}",
-                    target.encode("latin-1"),
-                    b"",
-                    b"",
-                    timeout_s,
-                    side=True,
-                )
-                try:
-                    body = await resp.read()
-                except BaseException:
-                    resp.abort()
-                    raise
-                resp.finish()
-                return resp.status, body
+            return await wait_for_awake(getting, timeout_s)
         except (TimeoutError, UpstreamError):
             return None
+
+    async def _get_whole(self, origin: str, target: bytes) -> tuple[int, bytes]:
+        # No first-byte timer of its own (the default is minutes): the caller's deadline is the one.
+        resp = await self.send("GET", origin, target, b"", b"", side=True)
+        try:
+            body = await resp.read()
+        except BaseException:
+            resp.abort()
+            raise
+        resp.finish()
+        return resp.status, body
 
     async def send(
         self,
