@@ -265,6 +265,7 @@ class Placement:
             self._hold.release()
         if self._mark is not None:
             self._mark.release()
+        self._placer._picker.ended(self._key, self.backend_id)
         self._placer._lease_ended(self._lease)
 
 

@@ -42,6 +42,7 @@ def place(picker: Picker, key: RoutingKey, ring: HashRing, cands: Candidates) ->
     assert decision is not None
     picker.chosen(key, decision.backend_id)
     picker.placed(key, decision.backend_id)
+    picker.ended(key, decision.backend_id)
     return decision.backend_id
 
 
@@ -192,6 +193,7 @@ def test_an_owner_whose_cache_turned_over_is_no_longer_followed() -> None:
         other = chat(("system", text(g, 4000)), ("user", "q"))
         picker.chosen(other, owner)
         picker.placed(other, owner)
+        picker.ended(other, owner)
     assert picker.index.longest_match(first_key.blocks) == (0, ())
     assert ledgers.ledger(owner).used_bytes <= 3 * first_key.size
 
@@ -258,6 +260,85 @@ def test_a_ledger_holds_what_it_says_within_its_capacity(
         assert len(ledger) <= max(1, max_entries)
         assert ledger.used_bytes <= capacity or len(ledger) == 1
         assert not any(b in ledger for b in out)
+
+
+def test_a_prefix_in_flight_is_not_aged_out_by_the_placements_after_it() -> None:
+    """A long prompt still prefilling is pinned in the engine: two more placed there after it must
+    not make the ledger forget it and send the requests waiting for that prefill elsewhere."""
+    ring, cands = fleet(2)
+    picker = Picker(BalanceConfig())
+    doc = chat(("system", text(40, 8000)), ("user", "q0"))
+    home = cands.ids[0]
+    picker.set_capacity(home, 2.2 * doc.size)  # room for two such prompts
+    picker.chosen(doc, home)  # in flight: no end yet
+    picker.placed(doc, home)
+    for g in (41, 42):
+        other = chat(("system", text(g, 8000)), ("user", "q"))
+        picker.chosen(other, home)
+        picker.placed(other, home)
+        picker.ended(other, home)
+    assert picker.index is not None
+    assert picker.index.longest_match(doc.blocks) == (len(doc.blocks), (home,))
+    again = chat(("system", text(40, 8000)), ("user", "q1"))
+    decision = picker.pick(again, ring, cands, LoadTracker())
+    assert decision is not None
+    assert (decision.backend_id, decision.branch) == (home, Branch.PREFIX_MATCH)
+    # Once it ends it ages like any other entry: the placements after it trim it, tail first.
+    picker.ended(doc, home)
+    for g in (43, 44):
+        other = chat(("system", text(g, 8000)), ("user", "q"))
+        picker.chosen(other, home)
+        picker.ended(other, home)
+    assert picker.index.longest_match(doc.blocks)[0] < len(doc.blocks)
+
+
+def test_a_cache_held_whole_by_requests_in_flight_ranks_last_for_a_new_prefix() -> None:
+    """Its oldest entry may be the oldest of the fleet, but nothing there can be evicted: a new
+    prompt sent there waits for room in the engine's queue. The roomiest free cache takes it."""
+    ledgers = FootprintLedgers(max_entries=100)
+    for backend in ("pinned", "free"):
+        ledgers.set_capacity(backend, 1000)
+    ledgers.hold("pinned", (1,), (500,))  # clock 1, in flight
+    ledgers.hold("pinned", (2,), (500,))  # clock 2, in flight: full
+    ledgers.record("free", (3,), (500,))
+    ledgers.record("free", (4,), (500,))  # full, all of it evictable
+    assert ledgers.rank("free") < ledgers.rank("pinned")
+    ledgers.let_go("pinned", (1,))  # one ends: the engine may evict it now; its end is its last use
+    assert ledgers.ledger("pinned").held_bytes == 500
+    assert ledgers.rank("free") < ledgers.rank("pinned") < (2, 0.0)
+
+
+@settings(max_examples=200)
+@given(
+    st.lists(
+        st.tuples(st.lists(st.integers(0, 30), min_size=1, max_size=6), st.integers(1, 500), st.booleans())
+    ),
+    st.integers(1, 2000),
+)
+def test_held_blocks_stay_until_let_go_and_the_holds_balance(
+    requests: list[tuple[list[int], int, bool]], capacity: int
+) -> None:
+    """Whatever the order of ends: a held block is never evicted, holds balance back to zero, and
+    once nothing is held the ledger is within its capacity again at its next change."""
+    ledger = BackendLedger(capacity, 1000)
+    sizes: dict[int, int] = {}
+    in_flight: list[list[int]] = []
+    for clock, (blocks, size, ends_now) in enumerate(requests):
+        unique = [b for b in dict.fromkeys(blocks)]
+        for b in unique:
+            sizes.setdefault(b, size)
+        out = ledger.hold(unique, [sizes[b] for b in unique])
+        in_flight.append(unique)
+        held = {b for r in in_flight for b in r}
+        assert not held & set(out)
+        assert all(b in ledger for b in held)
+        if ends_now:
+            ledger.let_go(in_flight.pop(0), clock)
+    for clock, blocks in enumerate(in_flight, start=len(requests)):
+        ledger.let_go(blocks, clock)
+    assert ledger.held_bytes == 0
+    ledger.record([10_000], [1], len(requests) * 2)
+    assert ledger.used_bytes <= capacity or len(ledger) == 1
 
 
 def test_block_sizes_span_the_key_material() -> None:

@@ -32,36 +32,47 @@ def is_full(used: float, capacity: float, entries: int, max_entries: int) -> boo
 
 
 class BackendLedger:
-    __slots__ = ("_blocks", "_capacity", "_max_entries", "_used")
+    """An LRU of the blocks placed on one backend. Blocks of requests still in flight are held (pinned,
+    as vLLM pins a running request's blocks): they are not evicted, and they take their place in the
+    LRU when the last request holding them ends, as the engine frees them then."""
+
+    __slots__ = ("_blocks", "_capacity", "_held", "_held_bytes", "_max_entries", "_used")
 
     def __init__(self, capacity_bytes: float, max_entries: int) -> None:
-        self._blocks: OrderedDict[int, tuple[int, int]] = OrderedDict()  # block -> (bytes, last use)
+        # Evictable entries, least recently used first: block -> (bytes, last use).
+        self._blocks: OrderedDict[int, tuple[int, int]] = OrderedDict()
+        self._held: dict[int, list[int]] = {}  # block -> [bytes, requests in flight holding it]
+        self._held_bytes = 0
         self._capacity = capacity_bytes
         self._max_entries = max_entries
-        self._used = 0
+        self._used = 0  # held and evictable
 
     @property
     def used_bytes(self) -> int:
         return self._used
 
     @property
+    def held_bytes(self) -> int:
+        return self._held_bytes
+
+    @property
     def capacity_bytes(self) -> float:
         return self._capacity
 
     def __len__(self) -> int:
-        return len(self._blocks)
+        return len(self._blocks) + len(self._held)
 
     def __contains__(self, block: int) -> bool:
-        return block in self._blocks
+        return block in self._blocks or block in self._held
 
     def is_full(self) -> bool:
-        return is_full(self._used, self._capacity, len(self._blocks), self._max_entries)
+        return is_full(self._used, self._capacity, len(self), self._max_entries)
 
     def room_bytes(self) -> float:
         return max(0.0, self._capacity - self._used)
 
     def oldest_use(self) -> int:
-        """The clock reading of the least recently used entry; -1 when the ledger is empty."""
+        """The clock reading of the least recently used evictable entry; -1 when there is none."""
         if not self._blocks:
             return -1
         return next(iter(self._blocks.values()))[1]
@@ -70,14 +81,18 @@ class BackendLedger:
         """Note the blocks as used at `clock`; returns the blocks evicted to stay within capacity.
 
         Deepest first, so a prefix's shallow blocks end most recently used and eviction trims old
-        prefixes from their tails, as vLLM frees a finished request's blocks tail first."""
+        prefixes from their tails, as vLLM frees a finished request's blocks tail first. A held block
+        stays held: it is touched when it is let go."""
         entries = self._blocks
+        held = self._held
         touch = entries.move_to_end
         used = self._used
         for i in range(len(blocks) - 1, -1, -1):
             block = blocks[i]
             old = entries.get(block)
             if old is None:
+                if block in held:
+                    continue
                 size = sizes[i]
                 used += size
                 entries[block] = (size, clock)
@@ -85,19 +100,68 @@ class BackendLedger:
                 entries[block] = (old[0], clock)
                 touch(block)
         self._used = used
-        if used > self._capacity or len(entries) > self._max_entries:
-            return self._shrink()
-        return []
+        return self._within_bounds()
+
+    def hold(self, blocks: Sequence[int], sizes: Sequence[int]) -> list[int]:
+        """A request in flight uses these blocks: they stay until `let_go`; returns the blocks evicted
+        to make room (only evictable ones: over capacity, the engine queues rather than evicts)."""
+        entries = self._blocks
+        held = self._held
+        used = self._used
+        held_bytes = self._held_bytes
+        for i in range(len(blocks)):
+            block = blocks[i]
+            entry = held.get(block)
+            if entry is not None:
+                entry[1] += 1
+                continue
+            old = entries.pop(block, None)
+            if old is None:
+                size = sizes[i]
+                used += size
+            else:
+                size = old[0]
+            held[block] = [size, 1]
+            held_bytes += size
+        self._used = used
+        self._held_bytes = held_bytes
+        return self._within_bounds()
+
+    def let_go(self, blocks: Sequence[int], clock: int) -> None:
+        """The request that held these blocks ended: the last holder's end is their last use. Deepest
+        first, like `record`; a block this ledger does not hold is ignored."""
+        entries = self._blocks
+        held = self._held
+        for i in range(len(blocks) - 1, -1, -1):
+            block = blocks[i]
+            entry = held.get(block)
+            if entry is None:
+                continue
+            entry[1] -= 1
+            if entry[1] <= 0:
+                del held[block]
+                self._held_bytes -= entry[0]
+                entries[block] = (entry[0], clock)
 
     def set_capacity(self, capacity_bytes: float) -> list[int]:
         self._capacity = capacity_bytes
         return self._shrink()
 
+    def _within_bounds(self) -> list[int]:
+        if self._used > self._capacity or len(self._blocks) + len(self._held) > self._max_entries:
+            return self._shrink()
+        return []
+
     def _shrink(self) -> list[int]:
         entries = self._blocks
+        held = len(self._held)
         evicted: list[int] = []
         # One entry always stays: a prompt larger than the whole cache still leaves its head cached.
-        while len(entries) > 1 and (self._used > self._capacity or len(entries) > self._max_entries):
+        while (
+            entries
+            and len(entries) + held > 1
+            and (self._used > self._capacity or len(entries) + held > self._max_entries)
+        ):
             block, (size, _) = entries.popitem(last=False)
             self._used -= size
             evicted.append(block)
@@ -161,9 +225,29 @@ class FootprintLedgers:
         if backend_id not in self._shared:
             self._ranks[backend_id] = self._rank_now(backend_id)
 
+    def hold(self, backend_id: str, blocks: Sequence[int], sizes: Sequence[int]) -> None:
+        """A request is sent there: its blocks are used now and stay until `let_go` (see BackendLedger)."""
+        self._clock += 1
+        evicted = self.ledger(backend_id).hold(blocks, sizes)
+        if evicted:
+            self._evicted(evicted, backend_id)
+        if backend_id not in self._shared:
+            self._ranks[backend_id] = self._rank_now(backend_id)
+
+    def let_go(self, backend_id: str, blocks: Sequence[int]) -> None:
+        """The request that `hold` noted has ended (a backend forgotten since is ignored)."""
+        ledger = self._ledgers.get(backend_id)
+        if ledger is None:
+            return
+        self._clock += 1
+        ledger.let_go(blocks, self._clock)
+        if backend_id not in self._shared:
+            self._ranks[backend_id] = self._rank_now(backend_id)
+
     def rank(self, backend_id: str) -> tuple[int, float]:
         """Smaller is a better home for a new prefix: (0, -room) while there is room, then
-        (1, last use of the oldest entry): the cache that keeps things longest."""
+        (1, last use of the oldest entry): the cache that keeps things longest; last (2, bytes held)
+        while requests in flight hold (nearly) all of it: a new prefix there waits for room."""
         rank = self._ranks.get(backend_id)
         return rank if rank is not None else (0, -self.capacity(backend_id))
 
@@ -180,6 +264,8 @@ class FootprintLedgers:
             return (0, -self.capacity(backend_id))
         if not ledger.is_full():
             return (0, -ledger.room_bytes())
+        if ledger.held_bytes >= FULL_SHARE * ledger.capacity_bytes or ledger.oldest_use() < 0:
+            return (2, float(ledger.held_bytes))
         return (1, float(ledger.oldest_use()))
 
     def forget(self, backend_id: str) -> None:

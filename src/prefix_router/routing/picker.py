@@ -115,10 +115,17 @@ class Picker:
 
         Counted when the choice is final, not when the answer comes: a burst of new prefixes then
         spreads as it arrives, and a backend that fails every request fills its ledger like any other
-        instead of always looking the roomiest."""
+        instead of always looking the roomiest. Held until `ended`: the caller calls it once for
+        each `chosen`."""
         if self._ledgers is not None and key.blocks:
             blocks = key.blocks
-            self._ledgers.record(backend_id, blocks, block_sizes(key.ends)[: len(blocks)])
+            self._ledgers.hold(backend_id, blocks, block_sizes(key.ends)[: len(blocks)])
+
+    def ended(self, key: RoutingKey, backend_id: str) -> None:
+        """The request `chosen` sent there has ended, however: its blocks are no longer pinned there
+        and age from now on, as the engine frees them (routing/footprint.py)."""
+        if self._ledgers is not None and key.blocks:
+            self._ledgers.let_go(backend_id, key.blocks)
 
     def placed(self, key: RoutingKey, backend_id: str) -> None:
         """Learn from a placement that reached the backend (its answer began well)."""
