@@ -67,7 +67,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import RESULTS_DIR, package_version, print_header, sglang_router_argv
 from prefix_router import __version__
-from prefix_router.loadgen.drivers import RunSummary, Target, balanced_placement, client_session, measure
+from prefix_router.loadgen.drivers import (
+    RequestResult,
+    RunSummary,
+    Target,
+    balanced_placement,
+    client_session,
+    measure,
+)
 from prefix_router.loadgen.traces import (
     TraceError,
     guess_block_tokens,
@@ -488,13 +495,15 @@ async def run_one(
     run = Run(spec.name, policy.name, setup.name, layout, mode, None, ctx.oracle, backend_urls=ctx.urls)
 
     async def drive(run_target: Target) -> RunSummary:
-        summary, _ = await measure(
+        summary, results = await measure(
             session, run_target, workload,
             concurrency=spec.concurrency if mode == "closed" and not spec.timed else None,
             rate_per_s=spec.rate_per_s if mode == "open" and not spec.timed else None,
             timed=spec.timed, max_duration_s=args.open_duration if mode == "open" else None,
             oracle_hit_rate=ctx.oracle,
         )  # fmt: skip
+        if args.diagnose:
+            write_diagnosis(Path(args.diagnose), spec, ctx, policy, setup, layout, mode, summary, results)
         return summary
 
     if policy.kind == "static":
@@ -526,6 +535,23 @@ async def run_one(
         if isinstance(group, RouterGroup):
             group.stop()
     return run
+
+
+def write_diagnosis(
+    folder: Path, spec: WorkloadSpec, ctx: LayoutContext, policy: PolicySpec, setup: Setup, layout: int,
+    mode: str, summary: RunSummary, results: Sequence[RequestResult],
+) -> None:  # fmt: skip
+    """One run's requests as they went (backend, cached tokens, times), for an offline look at where
+    a placement lost hits: `--diagnose DIR` writes one JSON file per run."""
+    folder.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "workload": spec.name, "policy": policy.name, "setup": setup.name, "layout": layout, "mode": mode,
+        "per_backend_blocks": ctx.sizing.per_backend_blocks if ctx.sizing else None,
+        "backends": ctx.urls, "oracle": ctx.oracle, "summary": summary.as_dict(),
+        "requests": [dataclasses.asdict(r) for r in results],
+    }  # fmt: skip
+    name = f"{spec.name}-{mode}-{policy.name}-{setup.name.replace(' ', '_')}-{layout}.json"
+    (folder / name).write_text(json.dumps(doc))
 
 
 def run_seed_offset(policy: str, setup: Setup, mode: str) -> int:
@@ -1059,6 +1085,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--shared-state-url",
         metavar="URL",
         help="with --replicas-shared: use this Redis (redis://host:port/db) instead of starting one",
+    )
+    p.add_argument(
+        "--diagnose",
+        metavar="DIR",
+        help="write each run's requests (backend, cached tokens, times) as JSON into DIR",
     )
     p.add_argument("--no-sglang", action="store_true", help="skip SGLang's router even if installed")
     p.add_argument(

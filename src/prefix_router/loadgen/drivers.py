@@ -47,6 +47,7 @@ class RequestResult:
     backend: str | None = None  # the router's x-prefix-router-backend header, when it sends one
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
+    sent_s: float = 0.0  # time.monotonic() when it was sent: the order requests really went in
 
     @property
     def ok(self) -> bool:
@@ -89,7 +90,7 @@ async def send_one(
         result.backend = base_url
     body = request.body | {"stream": True, "stream_options": {"include_usage": True}}
     headers = {"content-type": "application/json", **request.headers()}
-    start = time.monotonic()
+    start = result.sent_s = time.monotonic()
     try:
         async with asyncio.timeout(timeout_s):
             async with session.post(
