@@ -18,18 +18,30 @@ def test_start_claims_only_unclaimed_blocks_and_done_releases_them() -> None:
     pending = PendingPrefills()
     first = pending.start([1, 2, 3], "a")
     assert first is not None
-    assert pending.start([1, 2], "b") is None, "nothing new to claim"
-    second = pending.start([1, 2, 3, 4], "b")
+    assert pending.start([1, 2], "a") is None, "nothing new to claim there"
+    second = pending.start([1, 2, 3, 4], "a")
     assert second is not None
-    assert pending.deepest([1, 2, 3, 4], 0) == (4, "b", second)
-    assert pending.deepest([1, 2, 3], 0) == (3, "a", first)
+    assert pending.deepest([1, 2, 3, 4], 0) == (4, (("a", second),))
+    assert pending.deepest([1, 2, 3], 0) == (3, (("a", first),))
     assert pending.deepest([1, 2, 3], 3) is None, "only blocks past what the index already knows"
     pending.done(first)
     assert pending.deepest([1, 2, 3], 0) is None
-    assert pending.deepest([1, 2, 3, 4], 0) == (4, "b", second)
+    assert pending.deepest([1, 2, 3, 4], 0) == (4, (("a", second),))
     pending.done(second)
     pending.done(second)  # idempotent
     assert len(pending) == 0
+
+
+def test_one_prefix_in_prefill_on_two_backends_is_pending_on_both() -> None:
+    pending = PendingPrefills()
+    first = pending.start([1, 2], "a")
+    second = pending.start([1, 2], "b")  # a copy computed on a second backend
+    assert first is not None and second is not None
+    assert pending.deepest([1, 2], 0) == (2, (("a", first), ("b", second)))
+    pending.done(first)
+    assert pending.deepest([1, 2], 0) == (2, (("b", second),))
+    pending.done(second)
+    assert pending.deepest([1, 2], 0) is None
 
 
 def test_second_request_for_a_prefix_in_prefill_waits_on_it() -> None:
@@ -87,3 +99,38 @@ def test_a_prefix_already_cached_is_not_claimed_by_a_new_question() -> None:
     other = chat_key(system, "another question")
     decision = picker.pick(other, RING, ALL, load, wait=True)
     assert decision is not None and decision.wait_for is None, "sharing only the cached part: no wait"
+
+
+def test_a_hot_prefix_spilled_to_a_second_backend_is_computed_there_once() -> None:
+    """The owner is at max_inflight: the first spilled request computes the prefix on another
+    backend, and the next ones wait for that copy instead of computing it there again each; once the
+    owner has room, it takes the next one at once (it has the prefix cached, nothing to wait for)."""
+    picker = Picker(BalanceConfig(max_inflight=2))
+    load = LoadTracker()
+    system = "a hot system prompt shared by half the traffic " * 30
+    first = chat_key(system, "q0")
+    owner = picker.pick(first, RING, ALL, load, wait=True)
+    assert owner is not None
+    first_ticket = picker.prefill_started(first, owner.backend_id)
+    picker.placed(first, owner.backend_id)
+    assert first_ticket is not None
+    picker.prefill_done(first_ticket)  # the owner has it cached now
+    leases = [load.acquire(owner.backend_id) for _ in range(2)]  # ...and is full
+
+    spilled = chat_key(system, "q1")
+    second = picker.pick(spilled, RING, ALL, load, wait=True)
+    assert second is not None and second.wait_for is None
+    assert second.backend_id != owner.backend_id
+    copy_ticket = picker.prefill_started(spilled, second.backend_id)
+    assert copy_ticket is not None, "the copy is computed on the second backend"
+    picker.placed(spilled, second.backend_id)
+    load.acquire(second.backend_id)
+
+    third = picker.pick(chat_key(system, "q2"), RING, ALL, load, wait=True)
+    assert third is not None
+    assert (third.backend_id, third.wait_for) == (second.backend_id, copy_ticket)
+
+    leases[0].release()  # the owner has room again
+    fourth = picker.pick(chat_key(system, "q3"), RING, ALL, load, wait=True)
+    assert fourth is not None
+    assert (fourth.backend_id, fourth.wait_for) == (owner.backend_id, None)

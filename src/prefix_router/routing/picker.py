@@ -144,9 +144,10 @@ class Picker:
         """A streaming request is being sent: its new blocks are pending until prefill_done."""
         if self._index is None or not key.streaming or not key.blocks:
             return None
-        # Only what no backend is known to hold yet is being computed: a cached system prompt
-        # followed by a new question must not hold requests that share only the system prompt.
-        known, _ = self._index.longest_match(key.blocks)
+        # Only what this backend is not known to hold yet is being computed there: a cached system
+        # prompt followed by a new question must not hold requests that share only the system prompt,
+        # and a prefix another backend holds is computed afresh on this one.
+        known = self._index.longest_held(key.blocks, backend_id)
         return self._prefills.start(key.blocks[known:], backend_id)
 
     def prefill_done(self, ticket: int) -> None:

@@ -46,6 +46,23 @@ class PrefixIndex:
                 hi = mid
         return lo + 1, entries[blocks[lo]]
 
+    def longest_held(self, blocks: Sequence[int], backend_id: str) -> int:
+        """How many leading blocks the index knows `backend_id` holds (binary search, as above: a
+        backend that holds a block took its whole prefix, and eviction trims prefixes from the tail)."""
+        entries = self._entries
+        owners = entries.get(blocks[0]) if blocks else None
+        if owners is None or backend_id not in owners:
+            return 0
+        lo, hi = 0, len(blocks)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            owners = entries.get(blocks[mid])
+            if owners is not None and backend_id in owners:
+                lo = mid
+            else:
+                hi = mid
+        return lo + 1
+
     def record(self, blocks: Sequence[int], backend_id: str) -> None:
         """Note that `backend_id` now holds these blocks (it has just been sent them).
 

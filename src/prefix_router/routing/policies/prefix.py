@@ -26,7 +26,7 @@ from prefix_router.routing.footprint import FootprintLedgers
 from prefix_router.routing.keys import RoutingKey
 from prefix_router.routing.load import LoadTracker, follow_limit, least_bound, load_bound
 from prefix_router.routing.policies.baseline import least_loaded
-from prefix_router.routing.prefill import PendingPrefills
+from prefix_router.routing.prefill import Holders, PendingPrefills
 from prefix_router.routing.prefix_index import PrefixIndex
 from prefix_router.routing.ring import HashRing
 
@@ -114,21 +114,31 @@ class PrefixPolicy:
             # have to hold every group).
             known, owners = self._index.longest_match(key.blocks)
             threshold = self._threshold
+            prefilling: Holders = ()
             if wait:
                 # The index learns a placement at its response head, before the prefill is done,
                 # so pending blocks are looked for among the known ones too.
                 pending = self._prefills.deepest(key.blocks, 0)
-                if (
-                    pending is not None
-                    and pending[1] in usable_set
-                    and covers(key, pending[0], threshold)
-                    and may_follow(pending[1])
-                ):
-                    return Decision(pending[1], _PREFIX_MATCH, wait_for=pending[2])
+                if pending is not None and covers(key, pending[0], threshold):
+                    depth, holders = pending
+                    for backend, ticket in holders:
+                        if backend in usable_set and may_follow(backend):
+                            if depth > known:  # deeper than anything cached: wait for it
+                                return Decision(backend, _PREFIX_MATCH, wait_for=ticket)
+                            prefilling = holders
+                            break
             if covers(key, known, threshold):
                 for owner in owners:
                     if owner in usable_set and may_follow(owner):
+                        # An owner still computing the prefix is waited for; one that has it cached
+                        # takes the request now, before a wait for a copy computed elsewhere.
+                        for backend, ticket in prefilling:
+                            if backend == owner:
+                                return Decision(owner, _PREFIX_MATCH, wait_for=ticket)
                         return Decision(owner, _PREFIX_MATCH)
+            for backend, ticket in prefilling:
+                if backend in usable_set and may_follow(backend):
+                    return Decision(backend, _PREFIX_MATCH, wait_for=ticket)
         if self._by_room:
             roomiest = self._roomiest(key.ring_hash, ring, usable_set, fits)
             if roomiest is not None:
