@@ -92,7 +92,9 @@ from prefix_router.loadgen.workloads import (
     long_context,
     median_prompt_blocks,
     multi_turn,
+    oracle_from_blocks,
     oracle_hit_rate,
+    prompt_blocks,
     shared_prefix,
     shared_system,
     tenants,
@@ -537,21 +539,49 @@ async def run_one(
     return run
 
 
+def placement_replay(
+    workload: Workload, results: Sequence[RequestResult], per_backend_blocks: int
+) -> float | None:
+    """The run's placement served again one request at a time: each backend's requests in the order
+    they were sent, on an LRU cache of its size (the oracle's rules, per backend). Against the oracle
+    it measures the placement; against the run's own hit rate, what concurrency cost (blocks pinned by
+    running requests, prefixes reused before their prefill was done). None without backend headers."""
+    if not results or any(r.backend is None for r in results):
+        return None
+    by_backend: dict[str, list[tuple[int, list[int]]]] = {}
+    for r in sorted(results, key=lambda r: r.sent_s):
+        by_backend.setdefault(str(r.backend), []).append(
+            prompt_blocks(workload.requests[r.index].body, BLOCK_SIZE)
+        )
+    hits = total = 0
+    for prompts in by_backend.values():
+        served = oracle_from_blocks(prompts, block_size=BLOCK_SIZE, capacity_blocks=per_backend_blocks)
+        hits += served.hit_tokens
+        total += served.prompt_tokens
+    return hits / total if total else None
+
+
 def write_diagnosis(
     folder: Path, spec: WorkloadSpec, ctx: LayoutContext, policy: PolicySpec, setup: Setup, layout: int,
     mode: str, summary: RunSummary, results: Sequence[RequestResult],
 ) -> None:  # fmt: skip
     """One run's requests as they went (backend, cached tokens, times), for an offline look at where
-    a placement lost hits: `--diagnose DIR` writes one JSON file per run."""
+    a placement lost hits: `--diagnose DIR` writes one JSON file per run and prints the run's
+    placement replayed (see placement_replay) beside its hit rate and the oracle."""
     folder.mkdir(parents=True, exist_ok=True)
+    replay = placement_replay(ctx.workload, results, ctx.sizing.per_backend_blocks) if ctx.sizing else None
     doc = {
         "workload": spec.name, "policy": policy.name, "setup": setup.name, "layout": layout, "mode": mode,
         "per_backend_blocks": ctx.sizing.per_backend_blocks if ctx.sizing else None,
-        "backends": ctx.urls, "oracle": ctx.oracle, "summary": summary.as_dict(),
+        "backends": ctx.urls, "oracle": ctx.oracle, "placement_replay": replay, "summary": summary.as_dict(),
         "requests": [dataclasses.asdict(r) for r in results],
     }  # fmt: skip
     name = f"{spec.name}-{mode}-{policy.name}-{setup.name.replace(' ', '_')}-{layout}.json"
     (folder / name).write_text(json.dumps(doc))
+    if replay and ctx.oracle:
+        print(f"  {'':6} {'':30} diagnose: served {summary.hit_rate:.1%}, its placement replayed in order "
+              f"{replay:.1%}, oracle {ctx.oracle:.1%} (placement {replay / ctx.oracle:.2f} of the oracle, "
+              f"served {summary.hit_rate / replay:.2f} of the replay)", flush=True)  # fmt: skip
 
 
 def run_seed_offset(policy: str, setup: Setup, mode: str) -> int:
