@@ -231,27 +231,45 @@ def test_prefix_match_prefers_the_first_holder_within_the_bound() -> None:
     assert (decision.backend_id, decision.branch) == (IDS[1], Branch.PREFIX_MATCH)
 
 
-def test_an_owner_takes_its_prefix_up_to_max_inflight_past_the_relative_bound() -> None:
-    # 8 backends, 6 in flight all on the owner, no floor: the relative bound is ceil(1.25 * 7 / 8) = 2,
-    # so a ring placement would spill; a warm queue under max_inflight beats a cold prefill.
+@pytest.mark.parametrize(
+    ("in_flight_there", "owner_load", "follows"),
+    [
+        pytest.param(True, 6, True, id="held-past-the-relative-bound"),
+        pytest.param(True, 7, True, id="held-just-under-max-inflight"),
+        pytest.param(True, 8, False, id="held-at-max-inflight"),
+        pytest.param(False, 0, True, id="cached-within-the-relative-bound"),
+        pytest.param(False, 6, False, id="cached-only-past-the-relative-bound"),
+    ],
+)
+def test_an_owner_takes_its_prefix_past_the_relative_bound_while_a_request_there_holds_it(
+    in_flight_there: bool, owner_load: int, follows: bool
+) -> None:
+    # 8 backends, no floor: with 6 in flight all on the owner the relative bound is
+    # ceil(1.25 * 7 / 8) = 2. A prefix a running request holds is surely cached there: a warm queue
+    # under max_inflight beats a cold prefill. One only remembered as placed there may have been
+    # evicted by the prompts running on so busy a backend: it keeps the relative bound.
     config = BalanceConfig(max_inflight=8, load_floor=0)
     picker = Picker(config)
     key = bare_key(7, blocks=(1, 2, 3))
     owner = list(RING.walk(7))[-1]
+    picker.chosen(key, owner)
     picker.placed(key, owner)
-    decision = picker.pick(key, RING, ALL, tracker_with({owner: 6}))
+    if not in_flight_there:
+        picker.ended(key, owner)
+    decision = picker.pick(key, RING, ALL, tracker_with({owner: owner_load}))
     assert decision is not None
-    assert (decision.backend_id, decision.branch) == (owner, Branch.PREFIX_MATCH)
-    decision = picker.pick(key, RING, ALL, tracker_with({owner: 7}))
-    assert decision is not None
-    assert (decision.backend_id, decision.branch) == (owner, Branch.PREFIX_MATCH)
-    # At max_inflight it spills, and a cold placement keeps the relative bound.
-    decision = picker.pick(key, RING, ALL, tracker_with({owner: 8}))
-    assert decision is not None
-    assert decision.backend_id != owner
-    assert decision.branch is Branch.CACHE_ROOM
-    unowned = bare_key(7, blocks=(9,))
-    decision = picker.pick(unowned, RING, ALL, tracker_with({owner: 6}))
+    if follows:
+        assert (decision.backend_id, decision.branch) == (owner, Branch.PREFIX_MATCH)
+    else:
+        assert decision.backend_id != owner
+        assert decision.branch is Branch.CACHE_ROOM
+
+
+def test_a_new_prefix_keeps_the_relative_bound() -> None:
+    picker = Picker(BalanceConfig(max_inflight=8, load_floor=0))
+    owner = list(RING.walk(7))[-1]
+    picker.chosen(bare_key(7, blocks=(1, 2, 3)), owner)
+    decision = picker.pick(bare_key(7, blocks=(9,)), RING, ALL, tracker_with({owner: 6}))
     assert decision is not None
     assert decision.backend_id != owner
 

@@ -68,6 +68,9 @@ class BackendLedger:
     def is_full(self) -> bool:
         return is_full(self._used, self._capacity, len(self), self._max_entries)
 
+    def is_held(self, block: int) -> bool:
+        return block in self._held
+
     def room_bytes(self) -> float:
         return max(0.0, self._capacity - self._used)
 
@@ -233,6 +236,11 @@ class FootprintLedgers:
             self._evicted(evicted, backend_id)
         if backend_id not in self._shared:
             self._ranks[backend_id] = self._rank_now(backend_id)
+
+    def is_held(self, backend_id: str, block: int) -> bool:
+        """Does a request in flight on that backend hold this block now?"""
+        ledger = self._ledgers.get(backend_id)
+        return ledger is not None and ledger.is_held(block)
 
     def let_go(self, backend_id: str, blocks: Sequence[int]) -> None:
         """The request that `hold` noted has ended (a backend forgotten since is ignored)."""

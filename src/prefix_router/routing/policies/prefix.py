@@ -5,9 +5,10 @@ Order of preference:
    first, when that prefix covers at least `follow_threshold` of the request (SGLang's match ratio,
    Preble's exploit/explore split): a system prompt that all traffic shares is cached everywhere
    soon enough and must not herd new conversations onto the backends that first took it. An owner
-   takes the request up to `max_inflight`, not only within the relative bound: waiting in a warm
-   engine's queue costs less than a cold prefill elsewhere, and a hot prefix spread by the relative
-   bound over more backends takes their caches from the prefixes placed there;
+   takes the request within the relative bound, and up to `max_inflight` while a request in flight
+   there holds the prefix: waiting in a warm engine's queue costs less than a cold prefill elsewhere,
+   and a hot prefix spread by the relative bound over more backends takes their caches from the
+   prefixes placed there;
 2. a prefix no backend holds enough of goes, with `first_placement: cache_room`, to the backend of
    the first ROOM_CHOICES of the key's ring walk whose cache keeps things longest (`cache_room`), ties
    to the earliest of the walk; with `ring`, to the ring walk: its first backend is `affinity`, a later
@@ -128,8 +129,18 @@ class PrefixPolicy:
                             prefilling = holders
                             break
             if covers(key, known, threshold):
+                ledgers = self._ledgers
+                deepest = key.blocks[known - 1]
                 for owner in owners:
-                    if owner in usable_set and may_follow(owner):
+                    # Past the relative bound only while a request in flight there holds the prefix:
+                    # then it is surely cached (pinned), and the owner's queue is the cheaper wait.
+                    # Otherwise a cache that busy is likely turning over under its running prompts,
+                    # and piling a group's requests on it queues them for KV room behind cold prefills.
+                    if (
+                        owner in usable_set
+                        and may_follow(owner)
+                        and (ledgers is None or fits(owner) or ledgers.is_held(owner, deepest))
+                    ):
                         # An owner still computing the prefix is waited for; one that has it cached
                         # takes the request now, before a wait for a copy computed elsewhere.
                         for backend, ticket in prefilling:
