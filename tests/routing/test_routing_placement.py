@@ -308,6 +308,35 @@ def test_a_cache_held_whole_by_requests_in_flight_ranks_last_for_a_new_prefix() 
     assert ledgers.rank("free") < ledgers.rank("pinned") < (2, 0.0)
 
 
+def test_a_new_prefix_goes_where_it_can_be_admitted_now() -> None:
+    """A cache with room left on paper but held by a long prompt in flight cannot take another
+    prompt before that one ends: a full cache with nothing held takes it instead."""
+    ring, cands = fleet(2)
+    picker = Picker(BalanceConfig())
+    busy, free = cands.ids
+    prompt = chat(("system", text(70, 3000)), ("user", "q"))
+    long_prompt = chat(("system", text(71, 7500)), ("user", "q"))
+
+    def placed_bytes(key: RoutingKey) -> int:  # what a ledger counts: the key material its blocks cover
+        return key.covered_bytes(len(key.blocks))
+
+    # The long one in flight leaves room for half the new prompt.
+    capacity = placed_bytes(long_prompt) + placed_bytes(prompt) // 2
+    for backend in cands.ids:
+        picker.set_capacity(backend, capacity)
+    picker.chosen(long_prompt, busy)  # in flight
+    for g in (72, 73, 74):  # served and done: evictable
+        done = chat(("system", text(g, 3000)), ("user", "q"))
+        picker.chosen(done, free)
+        picker.ended(done, free)
+    ledgers = picker.ledgers
+    assert ledgers is not None
+    assert ledgers.rank(busy) < ledgers.rank(free), "on room and retention alone, busy looks better"
+    decision = picker.pick(prompt, ring, cands, LoadTracker())
+    assert decision is not None
+    assert (decision.backend_id, decision.branch) == (free, Branch.CACHE_ROOM)
+
+
 @settings(max_examples=200)
 @given(
     st.lists(

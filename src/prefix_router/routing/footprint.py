@@ -237,6 +237,18 @@ class FootprintLedgers:
         if backend_id not in self._shared:
             self._ranks[backend_id] = self._rank_now(backend_id)
 
+    def admits(self, backend_id: str, size: int) -> bool:
+        """Is there room beside what requests in flight hold there for `size` more bytes? (Yes when
+        the ranks come from the shared store, which keeps no holds.)"""
+        ledger = self._ledgers.get(backend_id)
+        if ledger is None or backend_id in self._shared:
+            return True
+        return ledger.held_bytes + size <= ledger.capacity_bytes
+
+    def held_bytes(self, backend_id: str) -> int:
+        ledger = self._ledgers.get(backend_id)
+        return 0 if ledger is None else ledger.held_bytes
+
     def is_held(self, backend_id: str, block: int) -> bool:
         """Does a request in flight on that backend hold this block now?"""
         ledger = self._ledgers.get(backend_id)

@@ -151,7 +151,7 @@ class PrefixPolicy:
                 if backend in usable_set and may_follow(backend):
                     return Decision(backend, _PREFIX_MATCH, wait_for=ticket)
         if self._by_room:
-            roomiest = self._roomiest(key.ring_hash, ring, usable_set, fits)
+            roomiest = self._roomiest(key.ring_hash, key.size, ring, usable_set, fits)
             if roomiest is not None:
                 return Decision(roomiest, _CACHE_ROOM)
             return Decision(least_loaded(usable.ids, load, ring, key.ring_hash), _FALLBACK)
@@ -169,12 +169,16 @@ class PrefixPolicy:
         return Decision(least_loaded(usable.ids, load, ring, key.ring_hash), _FALLBACK)
 
     def _roomiest(
-        self, key_hash: int, ring: HashRing, usable: frozenset[str], fits: Callable[[str], bool]
+        self, key_hash: int, size: int, ring: HashRing, usable: frozenset[str], fits: Callable[[str], bool]
     ) -> str | None:
         """The best-ranked of the first ROOM_CHOICES usable backends of the walk that fit; the walk's
-        order breaks ties, so an empty fleet places by the ring."""
+        order breaks ties, so an empty fleet places by the ring. A backend whose requests in flight
+        leave no room for a prompt of `size` bytes ranks after those that do: the prompt would queue
+        there for KV room behind them."""
         assert self._ledgers is not None
         rank = self._ledgers.rank
+        admits = self._ledgers.admits
+        held = self._ledgers.held_bytes
         best: str | None = None
         best_rank: tuple[int, float] | None = None
         seen = 0
@@ -184,6 +188,8 @@ class PrefixPolicy:
             seen += 1
             if fits(backend):
                 r = rank(backend)
+                if r[0] < 2 and not admits(backend, size):
+                    r = (2, float(held(backend)))
                 if best_rank is None or r < best_rank:
                     best, best_rank = backend, r
             if seen >= ROOM_CHOICES and best is not None:
