@@ -174,7 +174,16 @@ class BackendLedger:
 class FootprintLedgers:
     """One ledger per backend and a shared clock; `on_evict(block, backend)` drops stale owners."""
 
-    __slots__ = ("_capacity_of", "_clock", "_ledgers", "_max_entries", "_on_evict", "_ranks", "_shared")
+    __slots__ = (
+        "_capacity_of",
+        "_clock",
+        "_free_now",
+        "_ledgers",
+        "_max_entries",
+        "_on_evict",
+        "_ranks",
+        "_shared",
+    )
 
     def __init__(self, max_entries: int, on_evict: Callable[[int, str], None] | None = None) -> None:
         self._ledgers: dict[str, BackendLedger] = {}
@@ -183,6 +192,9 @@ class FootprintLedgers:
         self._on_evict = on_evict
         self._clock = 0
         self._ranks: dict[str, tuple[int, float]] = {}  # kept with every change: a pick only reads
+        # Capacity minus the bytes requests in flight hold, per backend with a local ledger: what a
+        # new prompt can be admitted to now (absent: no limit known, as under shared figures).
+        self._free_now: dict[str, float] = {}
         # Fleet-wide figures from the shared store (bytes used, oldest use, entries): while a backend
         # has one, it ranks by it, on the shared clock, rather than by what this replica placed.
         self._shared: dict[str, tuple[int, int, int]] = {}
@@ -204,13 +216,13 @@ class FootprintLedgers:
         for other, ledger in self._ledgers.items():
             if other == backend_id or other not in self._capacity_of:
                 self._evicted(ledger.set_capacity(self.capacity(other)), other)
-                self._ranks[other] = self._rank_now(other)
-        self._ranks[backend_id] = self._rank_now(backend_id)
+                self._rerank(other)
+        self._rerank(backend_id)
 
     def set_shared(self, backend_id: str, used_bytes: int, oldest_use: int, entries: int) -> None:
         """The backend's footprint as every replica's placements made it (shared placement state)."""
         self._shared[backend_id] = (used_bytes, oldest_use, entries)
-        self._ranks[backend_id] = self._rank_now(backend_id)
+        self._rerank(backend_id)
 
     def capacity(self, backend_id: str) -> float:
         known = self._capacity_of.get(backend_id)
@@ -226,7 +238,7 @@ class FootprintLedgers:
         if evicted:
             self._evicted(evicted, backend_id)
         if backend_id not in self._shared:
-            self._ranks[backend_id] = self._rank_now(backend_id)
+            self._rerank(backend_id)
 
     def hold(self, backend_id: str, blocks: Sequence[int], sizes: Sequence[int]) -> None:
         """A request is sent there: its blocks are used now and stay until `let_go` (see BackendLedger)."""
@@ -235,15 +247,15 @@ class FootprintLedgers:
         if evicted:
             self._evicted(evicted, backend_id)
         if backend_id not in self._shared:
-            self._ranks[backend_id] = self._rank_now(backend_id)
+            self._rerank(backend_id)
 
-    def admits(self, backend_id: str, size: int) -> bool:
-        """Is there room beside what requests in flight hold there for `size` more bytes? (Yes when
-        the ranks come from the shared store, which keeps no holds.)"""
-        ledger = self._ledgers.get(backend_id)
-        if ledger is None or backend_id in self._shared:
-            return True
-        return ledger.held_bytes + size <= ledger.capacity_bytes
+    @property
+    def free_now(self) -> dict[str, float]:
+        """Per backend, its capacity minus what requests in flight hold there: a prompt of more bytes
+        cannot be admitted now. Kept with every change, one dict for the ledgers' life, for a pick
+        to read (never to write); a backend absent from it has no known limit (shared figures keep
+        no holds)."""
+        return self._free_now
 
     def held_bytes(self, backend_id: str) -> int:
         ledger = self._ledgers.get(backend_id)
@@ -262,7 +274,7 @@ class FootprintLedgers:
         self._clock += 1
         ledger.let_go(blocks, self._clock)
         if backend_id not in self._shared:
-            self._ranks[backend_id] = self._rank_now(backend_id)
+            self._rerank(backend_id)
 
     def rank(self, backend_id: str) -> tuple[int, float]:
         """Smaller is a better home for a new prefix: (0, -room) while there is room, then
@@ -270,6 +282,14 @@ class FootprintLedgers:
         while requests in flight hold (nearly) all of it: a new prefix there waits for room."""
         rank = self._ranks.get(backend_id)
         return rank if rank is not None else (0, -self.capacity(backend_id))
+
+    def _rerank(self, backend_id: str) -> None:
+        self._ranks[backend_id] = self._rank_now(backend_id)
+        ledger = self._ledgers.get(backend_id)
+        if ledger is None or backend_id in self._shared:
+            self._free_now.pop(backend_id, None)
+        else:
+            self._free_now[backend_id] = ledger.capacity_bytes - ledger.held_bytes
 
     def _rank_now(self, backend_id: str) -> tuple[int, float]:
         shared = self._shared.get(backend_id)
@@ -289,6 +309,7 @@ class FootprintLedgers:
         return (1, float(ledger.oldest_use()))
 
     def forget(self, backend_id: str) -> None:
+        self._free_now.pop(backend_id, None)
         self._ledgers.pop(backend_id, None)
         self._capacity_of.pop(backend_id, None)
         self._ranks.pop(backend_id, None)

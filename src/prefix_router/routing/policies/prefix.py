@@ -35,6 +35,8 @@ from prefix_router.routing.ring import HashRing
 # and a constant cost at 1,000 backends (the power of d choices balances well from d = 2).
 ROOM_CHOICES = 8
 
+_NO_LIMIT = math.inf
+
 # The branches, looked up once: reading an Enum member costs ~0.1 µs on CPython 3.11.
 _AFFINITY, _PREFIX_MATCH, _OVERFLOW, _FALLBACK, _CACHE_ROOM = (
     Branch.AFFINITY,
@@ -57,6 +59,7 @@ class PrefixPolicy:
         "_by_room",
         "_config",
         "_follow_limit",
+        "_free_now",
         "_index",
         "_ledgers",
         "_prefills",
@@ -78,6 +81,7 @@ class PrefixPolicy:
         self._follow_limit = follow_limit(config.max_inflight, config.spill)
         self._index = index
         self._ledgers = ledgers
+        self._free_now: dict[str, float] = ledgers.free_now if ledgers is not None else {}
         self._by_room = ledgers is not None and config.first_placement is FirstPlacement.CACHE_ROOM
         self._threshold = config.follow_threshold
         self._prefills = prefills
@@ -129,17 +133,16 @@ class PrefixPolicy:
                             prefilling = holders
                             break
             if covers(key, known, threshold):
-                ledgers = self._ledgers
-                deepest = key.blocks[known - 1]
                 for owner in owners:
+                    if owner not in usable_set:
+                        continue
                     # Past the relative bound only while a request in flight there holds the prefix:
                     # then it is surely cached (pinned), and the owner's queue is the cheaper wait.
                     # Otherwise a cache that busy is likely turning over under its running prompts,
                     # and piling a group's requests on it queues them for KV room behind cold prefills.
-                    if (
-                        owner in usable_set
-                        and may_follow(owner)
-                        and (ledgers is None or fits(owner) or ledgers.is_held(owner, deepest))
+                    after = load_of(owner) + 1
+                    if after <= under_floor or (
+                        after <= follow_limit and (fits(owner) or self._holds(owner, key.blocks[known - 1]))
                     ):
                         # An owner still computing the prefix is waited for; one that has it cached
                         # takes the request now, before a wait for a copy computed elsewhere.
@@ -147,9 +150,10 @@ class PrefixPolicy:
                             if backend == owner:
                                 return Decision(owner, _PREFIX_MATCH, wait_for=ticket)
                         return Decision(owner, _PREFIX_MATCH)
-            for backend, ticket in prefilling:
-                if backend in usable_set and may_follow(backend):
-                    return Decision(backend, _PREFIX_MATCH, wait_for=ticket)
+            if prefilling:
+                for backend, ticket in prefilling:
+                    if backend in usable_set and may_follow(backend):
+                        return Decision(backend, _PREFIX_MATCH, wait_for=ticket)
         if self._by_room:
             roomiest = self._roomiest(key.ring_hash, key.size, ring, usable_set, fits)
             if roomiest is not None:
@@ -168,6 +172,10 @@ class PrefixPolicy:
             first = False
         return Decision(least_loaded(usable.ids, load, ring, key.ring_hash), _FALLBACK)
 
+    def _holds(self, backend: str, block: int) -> bool:
+        """Does a request in flight on the backend hold this block (without ledgers: assume so)?"""
+        return self._ledgers is None or self._ledgers.is_held(backend, block)
+
     def _roomiest(
         self, key_hash: int, size: int, ring: HashRing, usable: frozenset[str], fits: Callable[[str], bool]
     ) -> str | None:
@@ -177,8 +185,8 @@ class PrefixPolicy:
         there for KV room behind them."""
         assert self._ledgers is not None
         rank = self._ledgers.rank
-        admits = self._ledgers.admits
-        held = self._ledgers.held_bytes
+        free_now = self._free_now
+        no_limit = _NO_LIMIT
         best: str | None = None
         best_rank: tuple[int, float] | None = None
         seen = 0
@@ -188,10 +196,12 @@ class PrefixPolicy:
             seen += 1
             if fits(backend):
                 r = rank(backend)
-                if r[0] < 2 and not admits(backend, size):
-                    r = (2, float(held(backend)))
                 if best_rank is None or r < best_rank:
-                    best, best_rank = backend, r
+                    # Looked at only for a backend that would win: most lose on rank alone.
+                    if r[0] < 2 and free_now.get(backend, no_limit) < size:
+                        r = (2, float(self._ledgers.held_bytes(backend)))
+                    if best_rank is None or r < best_rank:
+                        best, best_rank = backend, r
             if seen >= ROOM_CHOICES and best is not None:
                 break
         return best
