@@ -4,13 +4,16 @@ A prefix nobody holds (or holds too little of) is worth placing where it will st
 Each backend's ledger is an LRU of the blocks placed there, in bytes of key material, bounded by the
 backend's KV capacity (vLLM's `num_gpu_blocks * block_size` tokens, times bytes per token): what
 falls out of the ledger has most likely fallen out of the engine's cache too, and the caller drops
-that backend as an owner of those blocks so the prefix index does not follow a stale owner.
+that backend as an owner of those blocks so the prefix index does not follow a stale owner. The blocks
+of requests still in flight are held, as the engine pins a running request's blocks: never evicted,
+and last used when the last request holding them ends.
 
 Two measures rank backends for a new prefix:
 - room: capacity minus what the ledger holds, while the ledger is not full (under FULL_SHARE);
 - once it is full, retention: how many placements ago the ledger's oldest entry was last used. Under
   LRU a cache keeps things for about capacity / inflow; placing where the oldest entry is oldest
-  evens out that time over the fleet (what SGLang's "smallest tree" does while its trees never evict).
+  evens out that time over the fleet (what SGLang's "smallest tree" does while its trees never evict);
+- last, a cache that requests in flight hold (nearly) whole: a new prompt there waits for room.
 """
 
 from __future__ import annotations
