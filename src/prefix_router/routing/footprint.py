@@ -84,29 +84,12 @@ class BackendLedger:
         return next(iter(self._blocks.values()))[1]
 
     def record(self, blocks: Sequence[int], sizes: Sequence[int], clock: int) -> list[int]:
-        """Note the blocks as used at `clock`; returns the blocks evicted to stay within capacity.
-
-        Deepest first, so a prefix's shallow blocks end most recently used and eviction trims old
-        prefixes from their tails, as vLLM frees a finished request's blocks tail first. A held block
-        stays held: it is touched when it is let go."""
-        entries = self._blocks
-        held = self._held
-        touch = entries.move_to_end
-        used = self._used
-        for i in range(len(blocks) - 1, -1, -1):
-            block = blocks[i]
-            old = entries.get(block)
-            if old is None:
-                if block in held:
-                    continue
-                size = sizes[i]
-                used += size
-                entries[block] = (size, clock)
-            else:  # a chained hash names one position and content: the size is the same
-                entries[block] = (old[0], clock)
-                touch(block)
-        self._used = used
-        return self._within_bounds()
+        """A placement whose request has already ended: its blocks held and let go at `clock` at once
+        (so used then, shallow ones most recently), then the ledger brought within its capacity;
+        returns the blocks evicted. A block another request holds stays held."""
+        evicted = self.hold(blocks, sizes)
+        self.let_go(blocks, clock)
+        return evicted + self._within_bounds()
 
     def hold(self, blocks: Sequence[int], sizes: Sequence[int]) -> list[int]:
         """A request in flight uses these blocks: they stay until `let_go`; returns the blocks evicted
