@@ -72,6 +72,8 @@ class SharedStore(Protocol):
 
     def take_over(self, takeover: Takeover, request: ClaimRequest, target_capacity_bytes: float) -> None: ...
 
+    def counts_moved(self) -> None: ...
+
     def prefilled(self, mark: str, request: ClaimRequest, backend_id: str) -> None: ...
 
     async def wait_prefilled(self, mark: str, timeout_s: float) -> tuple[str, str] | None: ...
@@ -376,12 +378,21 @@ class Placer:
                 wait = False  # once: after it, the index knows where the prefix went
                 await self._wait_for_prefill(decision.wait_for)
                 continue
-            if self._backends.load.load(decision.backend_id) < config.max_inflight:
-                if queued_s:
-                    self._waits.waited("capacity", queued_s)
+            load = self._backends.load
+            if load.load(decision.backend_id) < config.max_inflight:
                 if pin is None and self._shared is not None and not exclude and key.blocks:
-                    return await self._share(key, decision, ring, candidates)
-                return decision, None
+                    shared, mark = await self._share(key, decision, ring, candidates)
+                    if load.load(shared.backend_id) < config.max_inflight:
+                        if queued_s:
+                            self._waits.waited("capacity", queued_s)
+                        return shared, mark
+                    # The fleet's counts of this moment put every choice at max_inflight: wait.
+                    if mark is not None:
+                        mark.release()
+                else:
+                    if queued_s:
+                        self._waits.waited("capacity", queued_s)
+                    return decision, None
             left = deadline - loop.time()
             began = time.perf_counter()
             woken = await self._waiters.wait(left)
@@ -398,7 +409,8 @@ class Placer:
     ) -> tuple[Decision, SharedMark | None]:
         """The decision every replica agrees on (routing/shared_view.py): one bounded round trip to
         the shared store; while it is slow or down, the local decision. Then, when another replica
-        is prefilling the prefix it follows there, the bounded wait for that prefill's end."""
+        is prefilling the prefix it follows there, the bounded wait for that prefill's end, and a
+        second round trip that decides again on the counts after it."""
         shared = self._shared
         assert shared is not None
         load = self._backends.load
@@ -430,6 +442,8 @@ class Placer:
         if resolution.takeover is not None:
             shared.take_over(resolution.takeover, request, request.capacity_bytes)
         decision = resolution.decision
+        if decision.backend_id != answer.chosen:
+            shared.counts_moved()
         mark = SharedMark(shared, request.mark, request, decision.backend_id) if answer.marked else None
         if not resolution.wait_for:
             return decision, mark
@@ -452,8 +466,32 @@ class Placer:
             # What the claim gave the old choice goes where the request goes.
             takeover = Takeover(decision.backend_id, moved.backend_id, answer.depth)
             shared.take_over(takeover, request, request.capacity_bytes)
+        # The counts that let it follow are as old as the wait, which was not counted anywhere, and
+        # every replica's waiters for that prefill go now: claimed again (without waiting) on the
+        # fleet's counts of this moment, so they do not all pile onto one backend past max_inflight.
+        again = claim_request(key, moved, picker, ring)
+        try:
+            second = await shared.claim(again)
+        except BaseException:
             if mark is not None:
-                mark.backend_id = moved.backend_id
+                mark.release()
+            raise
+        if second is not None:
+            load.set_peers(second.peers)
+            final = resolve(
+                moved,
+                second,
+                candidates.members,
+                lambda b: picker.may_follow(b, candidates, load),
+                lambda: picker.pick(key, ring, candidates, load),
+            )
+            if final.takeover is not None:
+                shared.take_over(final.takeover, again, again.capacity_bytes)
+            moved = final.decision
+            if moved.backend_id != second.chosen:
+                shared.counts_moved()
+        if mark is not None:
+            mark.backend_id = moved.backend_id
         return moved, mark
 
     async def _wait_for_prefill(self, ticket: int) -> None:

@@ -132,3 +132,36 @@ async def test_redis_killed_while_a_request_waits_for_another_routers_prefill_le
     async with aiohttp.ClientSession() as s, s.post(f"{second_router.url}{CHAT}", json=third) as resp:
         assert resp.status == 200
     assert second_router.app.backends.load.total_load() == 0
+
+
+async def test_requests_held_for_another_routers_prefill_do_not_pile_past_max_inflight_when_it_ends(
+    fake_backends: Any, router: Any, redis_server: RedisServer
+) -> None:
+    """Two routers hold a request each for the prefill a third started; when it ends both would go
+    to its backend on the counts they had before the wait. Claimed again on the fleet's counts of
+    that moment, one follows and the other goes elsewhere: the backend stays within max_inflight."""
+    backends = await fake_backends(3)
+    for b in backends:
+        b.first_chunk_delay_s = 0.5  # a prefill
+    routers = await _routers(router, backends, redis_server.url, 3, balancing={"max_inflight": 2})
+
+    async def stream(r: RunningRouter, question: str) -> str:
+        # Streams on for a second after the first event: still in flight when the waiters go.
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(f"{r.url}/stream?n=10&delay=0.1", json=_body(question, True)) as resp,
+        ):
+            assert resp.status == 200
+            await resp.read()
+            return resp.headers[BACKEND_HEADER]
+
+    first = asyncio.create_task(stream(routers[0], "first question"))
+    await eventually(lambda: sum(len(b.seen) for b in backends) == 1)
+    held = []
+    for i in (1, 2):
+        held.append(asyncio.create_task(stream(routers[i], f"question {i}")))
+        await asyncio.sleep(0.1)  # a waiting request's count leaves the store with its router's next write
+    assert sum(len(b.seen) for b in backends) == 1, "both held while the first one prefills"
+    homes = await asyncio.gather(first, *held)
+    assert max(b.peak_active for b in backends) <= 2
+    assert homes.count(homes[0]) == 2, homes

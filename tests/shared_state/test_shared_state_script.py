@@ -13,6 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from redis.asyncio import Redis
 
+from prefix_router.fleet import shared_state
 from prefix_router.fleet.shared_state import NAMESPACE, SharedPlacement
 from prefix_router.routing.load import LoadTracker
 from prefix_router.routing.shared_view import ClaimAnswer, ClaimRequest, Takeover
@@ -313,6 +314,44 @@ async def test_a_replicas_counts_expire_when_it_writes_no_more(store: Any) -> No
     a._load = None  # as a replica that died: nothing refreshes them
     await asyncio.sleep(0.5)
     assert (await claimed(b, claim([3], "Y"))).peers == ()
+
+
+async def test_counts_a_claim_put_on_a_backend_the_request_did_not_go_to_are_written_again_at_once(
+    store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(shared_state, "LOAD_FLUSH_S", 30.0)  # no periodic write comes in time
+    load = LoadTracker()
+    a, b = await store(load=load), await store()
+    await claimed(a, claim([1], "X"))  # the script counts the request on X
+    lease = load.acquire("Y")  # but it went to Y
+    a.counts_moved()
+    await eventually_equal(lambda: _peers(b, [9]), {"Y": 1})
+    lease.release()
+
+
+async def test_a_claim_still_in_flight_is_counted_by_the_claims_written_meanwhile(
+    store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In a burst, each claim writes the replica's counts: those must include the requests whose
+    claims are still in flight (they take a lease as their answer comes), or the last one written
+    hides them from the other replicas."""
+    monkeypatch.setattr(shared_state, "LOAD_FLUSH_S", 30.0)  # only the claims write
+    a, b = await store(load=LoadTracker()), await store()
+    gate = asyncio.Event()
+    script = a._claim
+
+    async def held_back(**kwargs: Any) -> Any:
+        await gate.wait()
+        return await script(**kwargs)
+
+    a._claim = held_back
+    first = asyncio.create_task(claimed(a, claim([1], "X")))
+    await asyncio.sleep(0)  # its counts are taken; its call waits at the gate
+    a._claim = script
+    await claimed(a, claim([2], "X"))
+    assert await _peers(b, [9]) == {"X": 2}
+    gate.set()
+    await first
 
 
 async def _peers(shared: SharedPlacement, blocks: list[int]) -> dict[str, int]:

@@ -14,8 +14,10 @@ Pending prefills: a claim marks the blocks its request prefills first (`p:<block
 byte and PUBLISHes the mark on `prefilled`, which every replica subscribes to: a request another
 replica holds back for that prefill is woken by it, and a lost subscription wakes every such request.
 Requests in flight: each claim carries this replica's counts (`ld:<replica>`, a hash that expires after
-LOAD_TTL_S; the replicas seen are the set `replicas`), and the answer sums the others'. Releases reach
-the store with the next claim, or by a background write when none came for LOAD_FLUSH_S.
+LOAD_TTL_S; the replicas seen are the set `replicas`), its own request counted where the script sends
+it and the requests whose claims are still awaiting their answer counted where they proposed; the
+answer sums the others'. Releases reach the store with the next claim, or by a background write when
+none came for LOAD_FLUSH_S; a request that goes elsewhere than its claim counted it is written at once.
 
 Keys, under NAMESPACE: `o:<block>` the block's owner; per backend `lru:<backend>` (a sorted set of
 blocks by the shared clock's reading of their last use), `size:<backend>` (bytes of each block);
@@ -345,6 +347,8 @@ class SharedPlacement:
         self._marks = itertools.count(1)
         self._sent_counts: dict[str, int] = {}  # what the store last heard of this replica's counts
         self._sent_at = -1e9  # the loop's time when it did
+        self._claiming: dict[str, int] = {}  # claims awaiting their answer, per backend proposed
+        self._flush_now = asyncio.Event()  # the counts a claim wrote are wrong: write them at once
         # Calls made in the background, not awaited by a request: take-overs, ends of prefills, counts.
         self.background_calls = 0
         self.load_writes = 0  # of which: this replica's counts, when no claim carried them
@@ -408,7 +412,7 @@ class SharedPlacement:
             if self._mark_ttl_ms:
                 group.create_task(self._listen())
             if self._load is not None:
-                group.create_task(self._flush_load(self._load))
+                group.create_task(self._flush_load())
 
     async def _keep_up(self) -> None:
         """Keep the store's state known: ping until it answers, then wait until a call fails."""
@@ -442,7 +446,9 @@ class SharedPlacement:
         """The store's answer, or None (down, slow or wrong: the caller keeps its local decision)."""
         if not self._up:
             return None
-        counts = self._load.local_counts() if self._load is not None else {}
+        counts = self._counts()  # with the claims in flight before this one
+        claiming = self._claiming
+        claiming[request.proposed] = claiming.get(request.proposed, 0) + 1
         mark = request.mark if self._mark_ttl_ms else ""
         args: list[str | int] = [
             self._namespace,
@@ -467,11 +473,32 @@ class SharedPlacement:
         except Exception as exc:  # never fails a request: every failure routes locally
             self._failed(exc)
             return None
+        finally:
+            left = claiming[request.proposed] - 1
+            if left:
+                claiming[request.proposed] = left
+            else:
+                del claiming[request.proposed]
         self._timeouts = 0
         counts[answer.chosen] = counts.get(answer.chosen, 0) + 1  # as the script wrote them
         self._sent_counts = counts
         self._sent_at = asyncio.get_running_loop().time()
         return answer
+
+    def _counts(self) -> dict[str, int]:
+        """This replica's requests in flight per backend, and the ones whose claim is in flight (on the
+        backend each proposed): they take a lease the moment their answer comes, and a count written
+        meanwhile, by another claim or the background write, must not leave them out."""
+        counts = self._load.local_counts() if self._load is not None else {}
+        for backend, n in self._claiming.items():
+            counts[backend] = counts.get(backend, 0) + n
+        return counts
+
+    def counts_moved(self) -> None:
+        """The request a claim counted on its chosen backend goes elsewhere: this replica's counts are
+        written in the background as soon as the caller yields (its lease is taken by then), rather
+        than after LOAD_FLUSH_S, while the others would see the backend it goes to one short."""
+        self._flush_now.set()
 
     def prefilled(self, mark: str, request: ClaimRequest, backend_id: str) -> None:
         """The prefill under `mark` on `backend_id` ended: its marks go and the replicas hear it
@@ -548,18 +575,24 @@ class SharedPlacement:
                 if not fut.done():
                     fut.set_result(None)
 
-    async def _flush_load(self, load: LoadTracker) -> None:
+    async def _flush_load(self) -> None:
         """Write this replica's counts when they changed and no claim carried them for LOAD_FLUSH_S,
-        and before they expire while they stay the same."""
+        at once when a claim counted its request where it did not go (`counts_moved`), and before
+        they expire while they stay the same."""
         loop = asyncio.get_running_loop()
+        flush_now = self._flush_now
         while True:
-            await asyncio.sleep(LOAD_FLUSH_S)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(LOAD_FLUSH_S):
+                    await flush_now.wait()
+            moved = flush_now.is_set()
+            flush_now.clear()
             if not self._up:
                 continue
             since = loop.time() - self._sent_at
-            if since < LOAD_FLUSH_S:
+            if since < LOAD_FLUSH_S and not moved:
                 continue  # a claim carried them just now
-            counts = load.local_counts()
+            counts = self._counts()
             if counts == self._sent_counts and (not counts or since < self._load_ttl_s / 3):
                 continue  # the store has them, and they do not expire yet
             self._sent_counts, self._sent_at = counts, loop.time()
