@@ -12,7 +12,8 @@ an answer again, and one line says so.
 Pending prefills: a claim marks the blocks its request prefills first (`p:<block>`, expiring after
 `prefill_wait_s`, so a dead replica's marks go); the replica that prefills deletes them at the first
 byte and PUBLISHes the mark on `prefilled`, which every replica subscribes to: a request another
-replica holds back for that prefill is woken by it, and a lost subscription wakes every such request.
+replica holds back for that prefill is woken by it, and a lost subscription wakes every such request
+(it is pinged while quiet, so one that dies without a word is found lost too).
 Requests in flight: each claim carries this replica's counts (`ld:<replica>`, a hash that expires after
 LOAD_TTL_S; the replicas seen are the set `replicas`), its own request counted where the script sends
 it and the requests whose claims are still awaiting their answer counted where they proposed; the
@@ -60,6 +61,10 @@ LOAD_TTL_S = 3.0  # a replica's in-flight counts outlive its last write by this 
 LOAD_FLUSH_S = 0.02  # counts changed and no claim carried them for this long: written in the background
 ENDED_KEPT = 1024  # prefills whose end was heard, kept for a waiter whose claim answer comes after it
 BACKGROUND_TIMEOUT_S = 1.0  # at least, for calls no request waits on: a slow store may still take them
+# The subscription quiet this long is pinged, and lost when the next quiet spell brings no answer: a
+# connection that died without a word (a partition, a peer gone without a reset) would stay quiet,
+# and the requests held for prefills whose end it would carry would wait out prefill_wait_s.
+SUBSCRIPTION_PING_S = 1.0
 
 # Shared by both scripts: note blocks as just used by a backend, newest first (a prefix's shallow
 # blocks end most recently used, so eviction trims prefixes from their tails), then evict its least
@@ -318,7 +323,7 @@ def _packed(counts: dict[str, int]) -> str:
 
 class SharedPlacement:
     """The store client: claim (awaited, bounded); take over, end of a prefill, load (background);
-    reconnect and the `prefilled` subscription (background)."""
+    reconnect and the `prefilled` subscription, pinged while quiet (background)."""
 
     def __init__(
         self,
@@ -332,12 +337,14 @@ class SharedPlacement:
         load: LoadTracker | None = None,
         prefill_wait_s: float = 0.0,
         load_ttl_s: float = LOAD_TTL_S,
+        subscription_ping_s: float = SUBSCRIPTION_PING_S,
     ) -> None:
         self._url = url
         self._timeout_s = timeout_s
         self._namespace = namespace
         self._max_entries = str(max_entries)
         self._reconnect_interval_s = reconnect_interval_s
+        self._subscription_ping_s = subscription_ping_s
         self._load = load
         # Marks live as long as a request waits for one: past that nobody would still be waiting.
         self._mark_ttl_ms = str(max(1, round(prefill_wait_s * 1000))) if prefill_wait_s > 0 else ""
@@ -542,10 +549,18 @@ class SharedPlacement:
             try:
                 await pubsub.subscribe(channel)
                 self._subscribed = True
+                pinged = False
                 while True:
-                    message = await pubsub.get_message(timeout=None)
-                    if message is not None and message.get("type") == "message":
-                        self._heard(message["data"])
+                    message = await pubsub.get_message(timeout=self._subscription_ping_s)
+                    if message is not None:
+                        pinged = False  # anything heard, a pong too, says the connection lives
+                        if message.get("type") == "message":
+                            self._heard(message["data"])
+                        continue
+                    if pinged:
+                        raise RedisConnectionError("the prefilled subscription does not answer its ping")
+                    await pubsub.ping()
+                    pinged = True
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
