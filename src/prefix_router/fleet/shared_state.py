@@ -425,6 +425,10 @@ class SharedPlacement:
         """Keep the store's state known: ping until it answers, then wait until a call fails."""
         while True:
             if not self._up:
+                # Connections opened before it went down lead to a server that is gone or stuck: each
+                # would fail its next call and call the store down again, once per pooled connection.
+                with contextlib.suppress(Exception):
+                    await self._redis.connection_pool.disconnect()
                 if await self._ping():
                     self._mark(True)
                 else:
