@@ -74,6 +74,8 @@ class SharedStore(Protocol):
 
     def counts_moved(self) -> None: ...
 
+    def waiting_on(self, backend_id: str, change: int) -> None: ...
+
     def prefilled(self, mark: str, request: ClaimRequest, backend_id: str) -> None: ...
 
     async def wait_prefilled(self, mark: str, timeout_s: float) -> tuple[str, str] | None: ...
@@ -409,8 +411,7 @@ class Placer:
     ) -> tuple[Decision, SharedMark | None]:
         """The decision every replica agrees on (routing/shared_view.py): one bounded round trip to
         the shared store; while it is slow or down, the local decision. Then, when another replica
-        is prefilling the prefix it follows there, the bounded wait for that prefill's end, and a
-        second round trip that decides again on the counts after it."""
+        is prefilling the prefix it follows there, the bounded wait for that prefill's end."""
         shared = self._shared
         assert shared is not None
         load = self._backends.load
@@ -448,6 +449,9 @@ class Placer:
         if not resolution.wait_for:
             return decision, mark
         # Nothing is held yet (no lease, no hold): a cancelled wait leaks only the mark, said ended.
+        # While it waits, the request is counted where it will go: every replica's waiters for that
+        # prefill go at once when it ends, and the fleet must see them coming.
+        shared.waiting_on(decision.backend_id, 1)
         try:
             began = time.perf_counter()
             ended = await shared.wait_prefilled(resolution.wait_for, self._config.prefill_wait_s)
@@ -455,6 +459,8 @@ class Placer:
             if mark is not None:
                 mark.release()
             raise
+        finally:
+            shared.waiting_on(decision.backend_id, -1)
         if ended is None:
             return decision, mark
         outcome, prefilled_on = ended
@@ -463,33 +469,10 @@ class Placer:
             decision, prefilled_on, candidates.members, lambda b: picker.may_follow(b, candidates, load)
         )
         if moved is not decision:
-            # What the claim gave the old choice goes where the request goes.
+            # What the claim gave the old choice goes where the request goes, and so does its count.
             takeover = Takeover(decision.backend_id, moved.backend_id, answer.depth)
             shared.take_over(takeover, request, request.capacity_bytes)
-        # The counts that let it follow are as old as the wait, which was not counted anywhere, and
-        # every replica's waiters for that prefill go now: claimed again (without waiting) on the
-        # fleet's counts of this moment, so they do not all pile onto one backend past max_inflight.
-        again = claim_request(key, moved, picker, ring)
-        try:
-            second = await shared.claim(again)
-        except BaseException:
-            if mark is not None:
-                mark.release()
-            raise
-        if second is not None:
-            load.set_peers(second.peers)
-            final = resolve(
-                moved,
-                second,
-                candidates.members,
-                lambda b: picker.may_follow(b, candidates, load),
-                lambda: picker.pick(key, ring, candidates, load),
-            )
-            if final.takeover is not None:
-                shared.take_over(final.takeover, again, again.capacity_bytes)
-            moved = final.decision
-            if moved.backend_id != second.chosen:
-                shared.counts_moved()
+            shared.counts_moved()
         if mark is not None:
             mark.backend_id = moved.backend_id
         return moved, mark

@@ -134,12 +134,13 @@ async def test_redis_killed_while_a_request_waits_for_another_routers_prefill_le
     assert second_router.app.backends.load.total_load() == 0
 
 
-async def test_requests_held_for_another_routers_prefill_do_not_pile_past_max_inflight_when_it_ends(
+async def test_requests_held_for_another_routers_prefill_are_counted_where_they_will_go(
     fake_backends: Any, router: Any, redis_server: RedisServer
 ) -> None:
-    """Two routers hold a request each for the prefill a third started; when it ends both would go
-    to its backend on the counts they had before the wait. Claimed again on the fleet's counts of
-    that moment, one follows and the other goes elsewhere: the backend stays within max_inflight."""
+    """A request held for the prefill a router started is counted on that backend while it waits:
+    when the prefill ends every waiter of every router goes at once, and a third router must not
+    have sent one more there. With max_inflight 2, the third router's request goes elsewhere at
+    once, and the backend stays within its bound."""
     backends = await fake_backends(3)
     for b in backends:
         b.first_chunk_delay_s = 0.5  # a prefill
@@ -157,11 +158,13 @@ async def test_requests_held_for_another_routers_prefill_do_not_pile_past_max_in
 
     first = asyncio.create_task(stream(routers[0], "first question"))
     await eventually(lambda: sum(len(b.seen) for b in backends) == 1)
-    held = []
-    for i in (1, 2):
-        held.append(asyncio.create_task(stream(routers[i], f"question {i}")))
-        await asyncio.sleep(0.1)  # a waiting request's count leaves the store with its router's next write
-    assert sum(len(b.seen) for b in backends) == 1, "both held while the first one prefills"
-    homes = await asyncio.gather(first, *held)
+    owner = next(b for b in backends if b.seen)
+    held = asyncio.create_task(stream(routers[1], "question 1"))
+    await asyncio.sleep(0.1)  # past the time its router's counts are written again
+    assert sum(len(b.seen) for b in backends) == 1, "held while the first one prefills"
+    third = asyncio.create_task(stream(routers[2], "question 2"))
+    await eventually(lambda: sum(len(b.seen) for b in backends) == 2)
+    assert len(owner.seen) == 1, "the third went elsewhere at once: the owner is full with the one held"
+    homes = await asyncio.gather(first, held, third)
+    assert list(homes[:2]) == [owner.url, owner.url] and homes[2] != owner.url
     assert max(b.peak_active for b in backends) <= 2
-    assert homes.count(homes[0]) == 2, homes

@@ -355,6 +355,7 @@ class SharedPlacement:
         self._sent_counts: dict[str, int] = {}  # what the store last heard of this replica's counts
         self._sent_at = -1e9  # the loop's time when it did
         self._claiming: dict[str, int] = {}  # claims awaiting their answer, per backend proposed
+        self._held_back: dict[str, int] = {}  # requests held for another replica's prefill, per backend
         self._flush_now = asyncio.Event()  # the counts a claim wrote are wrong: write them at once
         # Calls made in the background, not awaited by a request: take-overs, ends of prefills, counts.
         self.background_calls = 0
@@ -501,9 +502,19 @@ class SharedPlacement:
         backend each proposed): they take a lease the moment their answer comes, and a count written
         meanwhile, by another claim or the background write, must not leave them out."""
         counts = self._load.local_counts() if self._load is not None else {}
-        for backend, n in self._claiming.items():
-            counts[backend] = counts.get(backend, 0) + n
+        for pending in (self._claiming, self._held_back):
+            for backend, n in pending.items():
+                counts[backend] = counts.get(backend, 0) + n
         return counts
+
+    def waiting_on(self, backend_id: str, change: int) -> None:
+        """A request held for another replica's prefill will go to `backend_id` (change 1) or has
+        stopped waiting (-1): counted there meanwhile, in the next write of this replica's counts."""
+        left = self._held_back.get(backend_id, 0) + change
+        if left > 0:
+            self._held_back[backend_id] = left
+        else:
+            self._held_back.pop(backend_id, None)
 
     def counts_moved(self) -> None:
         """The request a claim counted on its chosen backend goes elsewhere: this replica's counts are
