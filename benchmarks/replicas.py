@@ -1,12 +1,14 @@
-"""Several router replicas in front of one fleet: does the per-backend bound hold, with and without the
-scraped load signal?
+"""Several router replicas in front of one fleet: does the per-backend bound hold with local counts only,
+with the scraped load signal, and with shared placement state?
 
 Three `prefix-router serve` processes on 127.0.0.1 (fresh for every run, so no prefix index carries
 over) route to one simulated fleet of 4 backends that this process runs. A closed-loop client sends a
 hot-prefix workload (half the requests share one system prompt) split round-robin across the three
 replicas. Each replica counts only its own requests, so without the signal each may fill a backend to
 `max_inflight` by itself; with `load_signal.enabled` each adds the other replicas' share, scraped from
-the backends' `vllm:num_requests_running + vllm:num_requests_waiting` every `interval_s`.
+the backends' `vllm:num_requests_running + vllm:num_requests_waiting` every `interval_s`; with
+`routing.shared_state_url` (a `redis-server` this script starts on a loopback port, when the machine has
+one) each claim carries the replica's counts and brings back the others'.
 
 Per run: every backend's peak in-flight (running + waiting, the sim's high-water mark, reset with POST
 /sim/reset before the run), the worst one over `max_inflight` as a ratio, the prefix-cache hit rate
@@ -22,6 +24,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import shutil
 import sys
 import tempfile
 import time
@@ -31,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import redis
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -52,6 +56,7 @@ from prefix_router.sim.config import SimConfig
 from prefix_router.sim.fleet import SimFleet
 
 from processes import RouterProcess, launch_router, stop_processes
+from redisserver import RedisServer
 
 REPLICAS = 3
 BACKENDS = 4
@@ -68,9 +73,14 @@ class Variant:
     name: str
     signal: bool
     interval_s: float = 0.1
+    shared: bool = False  # routing.shared_state_url on the script's redis-server
 
 
-VARIANTS = (Variant("local counts only", False), Variant("scraped signal, 0.1 s", True))
+VARIANTS = (
+    Variant("local counts only", False),
+    Variant("scraped signal, 0.1 s", True),
+    Variant("shared state (Redis)", False, shared=True),
+)
 
 
 @dataclass
@@ -84,10 +94,13 @@ class Run:
     errors: int
 
 
-def router_config(urls: list[str], variant: Variant, order: int, load_factor: float) -> dict[str, Any]:
+def router_config(
+    urls: list[str], variant: Variant, order: int, load_factor: float, redis_url: str = ""
+) -> dict[str, Any]:
     # Each replica lists the backends in its own order, as discovery may: the ring does not care.
     listed = urls[order:] + urls[:order]
     return {
+        "routing": {"shared_state_url": redis_url if variant.shared else ""},
         "server": {"log_level": "warning"},
         "backends": [{"url": u} for u in listed],
         # Requests over the bound everywhere wait (bounded) in the replica rather than fail at once.
@@ -103,13 +116,15 @@ def router_config(urls: list[str], variant: Variant, order: int, load_factor: fl
 
 
 @contextlib.asynccontextmanager
-async def replicas(urls: list[str], variant: Variant, workdir: Path) -> AsyncIterator[list[str]]:
+async def replicas(
+    urls: list[str], variant: Variant, workdir: Path, redis_url: str = ""
+) -> AsyncIterator[list[str]]:
     """REPLICAS routers in front of the same backends, ready; stopped on the way out."""
     started: list[RouterProcess] = []
     try:
         for i in range(REPLICAS):
             path = workdir / f"replica-{i}.yaml"
-            path.write_text(yaml.safe_dump(router_config(urls, variant, i, LOAD_FACTOR[0])))
+            path.write_text(yaml.safe_dump(router_config(urls, variant, i, LOAD_FACTOR[0], redis_url)))
             started.append(launch_router(["--config", str(path)], workdir / f"replica-{i}.log"))
         for router in started:
             await router.ready(readyz=True)
@@ -134,8 +149,9 @@ async def run_one(
     concurrency: int,
     oracle: float,
     workdir: Path,
+    redis_url: str = "",
 ) -> Run:
-    async with replicas(urls, variant, workdir) as bases:
+    async with replicas(urls, variant, workdir, redis_url) as bases:
         await reset_sim(session, urls)
         before = await snapshot(session, urls)
         decisions_before = [await fetch_router_decisions(session, b) for b in bases]
@@ -157,6 +173,15 @@ async def run_one(
     peaks = summary.peak_inflight
     max_peak = max(peaks.values())
     return Run(variant.name, concurrency, summary, peaks, max_peak, max_peak / MAX_INFLIGHT, summary.errors)
+
+
+def _flush(server: RedisServer) -> None:
+    """A fresh store for each run, as the replicas are fresh."""
+    client = redis.Redis.from_url(server.url)
+    try:
+        client.flushall()
+    finally:
+        client.close()
 
 
 def _sum(dicts: list[dict[str, float]]) -> dict[str, float]:
@@ -200,7 +225,7 @@ def table(runs: list[Run]) -> str:
 
 async def main_async(args: argparse.Namespace) -> int:
     meta = print_header(
-        "Several replicas: the per-backend bound with and without the scraped load signal",
+        "Several replicas: the per-backend bound with local counts, the scraped load signal, shared state",
         {
             "prefix_router": __version__,
             "aiohttp": package_version("aiohttp"),
@@ -219,12 +244,23 @@ async def main_async(args: argparse.Namespace) -> int:
         flush=True,
     )
     runs: list[Run] = []
-    with tempfile.TemporaryDirectory(prefix="replicas-bench-") as tmp:
+    binary = shutil.which("redis-server")
+    variants = [v for v in VARIANTS if binary is not None or not v.shared]
+    if binary is None:
+        print("no redis-server on this machine: the shared-state variant is left out", flush=True)
+    with tempfile.TemporaryDirectory(prefix="replicas-bench-") as tmp, contextlib.ExitStack() as stack:
+        server = RedisServer(binary) if binary is not None else None
+        if server is not None:
+            server.start()
+            stack.callback(server.close)
+        redis_url = server.url if server is not None else ""
         async with SimFleet(SIM, count=BACKENDS) as fleet, client_session() as session:
             for concurrency in concurrencies:
-                for variant in VARIANTS:
+                for variant in variants:
+                    if server is not None and variant.shared:
+                        await asyncio.to_thread(_flush, server)
                     run = await run_one(
-                        session, fleet.urls, workload, variant, concurrency, oracle, Path(tmp)
+                        session, fleet.urls, workload, variant, concurrency, oracle, Path(tmp), redis_url
                     )
                     runs.append(run)
                     print(
