@@ -76,6 +76,8 @@ class SharedStore(Protocol):
 
     def waiting_on(self, backend_id: str, change: int) -> None: ...
 
+    def touch(self, request: ClaimRequest, backend_id: str, capacity_bytes: float) -> None: ...
+
     def prefilled(self, mark: str, request: ClaimRequest, backend_id: str) -> None: ...
 
     async def wait_prefilled(self, mark: str, timeout_s: float) -> tuple[str, str] | None: ...
@@ -473,6 +475,8 @@ class Placer:
             takeover = Takeover(decision.backend_id, moved.backend_id, answer.depth)
             shared.take_over(takeover, request, request.capacity_bytes)
             shared.counts_moved()
+        elif outcome == "ready" and picker.ledgers is not None:
+            shared.touch(request, moved.backend_id, picker.ledgers.capacity(moved.backend_id))
         if mark is not None:
             mark.backend_id = moved.backend_id
         return moved, mark

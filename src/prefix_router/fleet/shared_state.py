@@ -3,11 +3,11 @@ pending prefills and requests in flight.
 
 One awaited round trip per request at most: an EVALSHA of the `claim` script (what it does:
 routing/shared_view.py), bounded by `routing.shared_state_timeout_s`. A take-over, when the router
-could not send to the shared owner, and the end of a prefill this replica marked are written in the
-background and never awaited. When the store is slow or down the router routes from its own state:
-each failure is counted (`prefix_router_shared_state_errors_total{reason}`),
-`prefix_router_shared_state_up` drops to 0 with one log line, calls stop until a background ping gets
-an answer again, and one line says so.
+could not send to the shared owner, the end of a prefill this replica marked, and the prefix a request
+held for a prefill goes to (used now there) are written in the background and never awaited. When
+the store is slow or down the router routes from its own state: each failure is counted
+(`prefix_router_shared_state_errors_total{reason}`), `prefix_router_shared_state_up` drops to 0 with
+one log line, calls stop until a background ping gets an answer again, and one line says so.
 
 Pending prefills: a claim marks the blocks its request prefills first (`p:<block>`, expiring after
 `prefill_wait_s`, so a dead replica's marks go); the replica that prefills deletes them at the first
@@ -295,6 +295,24 @@ end
 return redis.call('PUBLISH', ns .. 'prefilled', mark .. '\\n' .. ARGV[4])
 """
 
+# ARGV: namespace, backend, its capacity, max entries, the blocks, their sizes. A request held for a
+# prefill of its prefix on that backend goes there now: the prefix was just used there, as the
+# engine sees it, and a block that lost its owner while the prefill ran (aged out by the claims
+# meanwhile: the store does not pin running prompts) is owned by that backend again.
+TOUCH_SCRIPT = (
+    _RECORD
+    + """
+local backend = ARGV[2]
+local blocks, sizes = split(ARGV[5]), split(ARGV[6])
+redis.call('HSET', ns .. 'cap', backend, ARGV[3])
+record(backend, tonumber(ARGV[3]), tonumber(ARGV[4]), blocks, sizes)
+for i = 1, #blocks do
+  redis.call('SET', ns .. 'o:' .. blocks[i], backend, 'NX')
+end
+return 1
+"""
+)
+
 # ARGV: namespace, this replica, its in-flight pairs, their lifetime (ms).
 LOAD_SCRIPT = (
     _RECORD
@@ -376,7 +394,8 @@ class SharedPlacement:
         self._takeover = self._redis.register_script(TAKEOVER_SCRIPT)
         self._prefilled = self._redis.register_script(PREFILLED_SCRIPT)
         self._write_load = self._redis.register_script(LOAD_SCRIPT)
-        self._scripts = (self._claim, self._takeover, self._prefilled, self._write_load)
+        self._touch = self._redis.register_script(TOUCH_SCRIPT)
+        self._scripts = (self._claim, self._takeover, self._prefilled, self._write_load, self._touch)
         self._up = False
         self._timeouts = 0
         self._said: bool | None = None  # the state the last log line announced
@@ -521,6 +540,21 @@ class SharedPlacement:
         written in the background as soon as the caller yields (its lease is taken by then), rather
         than after LOAD_FLUSH_S, while the others would see the backend it goes to one short."""
         self._flush_now.set()
+
+    def touch(self, request: ClaimRequest, backend_id: str, capacity_bytes: float) -> None:
+        """The request, held for a prefill of its prefix on `backend_id`, goes there now: its blocks
+        are used now there, and owned by it where nobody owns them (background)."""
+        if not self._up:
+            return
+        args: list[str | int] = [
+            self._namespace,
+            backend_id,
+            int(capacity_bytes),
+            self._max_entries,
+            "\n".join(map(str, request.blocks)),
+            "\n".join(map(str, request.sizes)),
+        ]
+        self._background(self._touch, args)
 
     def prefilled(self, mark: str, request: ClaimRequest, backend_id: str) -> None:
         """The prefill under `mark` on `backend_id` ended: its marks go and the replicas hear it
