@@ -384,19 +384,16 @@ class Placer:
                 continue
             load = self._backends.load
             if load.load(decision.backend_id) < config.max_inflight:
+                mark: SharedMark | None = None
                 if pin is None and self._shared is not None and not exclude and key.blocks:
-                    shared, mark = await self._share(key, decision, ring, candidates)
-                    if load.load(shared.backend_id) < config.max_inflight:
-                        if queued_s:
-                            self._waits.waited("capacity", queued_s)
-                        return shared, mark
-                    # The fleet's counts of this moment put every choice at max_inflight: wait.
-                    if mark is not None:
-                        mark.release()
-                else:
+                    decision, mark = await self._share(key, decision, ring, candidates)
+                if load.load(decision.backend_id) < config.max_inflight:
                     if queued_s:
                         self._waits.waited("capacity", queued_s)
-                    return decision, None
+                    return decision, mark
+                # The fleet's counts of this moment put every choice at max_inflight: wait.
+                if mark is not None:
+                    mark.release()
             left = deadline - loop.time()
             began = time.perf_counter()
             woken = await self._waiters.wait(left)
@@ -475,10 +472,10 @@ class Placer:
             takeover = Takeover(decision.backend_id, moved.backend_id, answer.depth)
             shared.take_over(takeover, request, request.capacity_bytes)
             shared.counts_moved()
+            if mark is not None:
+                mark.backend_id = moved.backend_id
         elif outcome == "ready" and picker.ledgers is not None:
             shared.touch(request, moved.backend_id, picker.ledgers.capacity(moved.backend_id))
-        if mark is not None:
-            mark.backend_id = moved.backend_id
         return moved, mark
 
     async def _wait_for_prefill(self, ticket: int) -> None:

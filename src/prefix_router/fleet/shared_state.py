@@ -335,6 +335,15 @@ def redacted(url: str) -> str:
     return urlunsplit((parts.scheme, user + host, parts.path, parts.query, parts.fragment))
 
 
+def _count(counts: dict[str, int], backend: str, change: int) -> None:
+    """Add `change` to a backend's count, leaving out a backend whose count falls to 0."""
+    left = counts.get(backend, 0) + change
+    if left > 0:
+        counts[backend] = left
+    else:
+        counts.pop(backend, None)
+
+
 def _packed(counts: dict[str, int]) -> str:
     return "\n".join(f"{backend}\n{count}" for backend, count in counts.items())
 
@@ -478,8 +487,7 @@ class SharedPlacement:
         if not self._up:
             return None
         counts = self._counts()  # with the claims in flight before this one
-        claiming = self._claiming
-        claiming[request.proposed] = claiming.get(request.proposed, 0) + 1
+        _count(self._claiming, request.proposed, 1)
         mark = request.mark if self._mark_ttl_ms else ""
         args: list[str | int] = [
             self._namespace,
@@ -505,11 +513,7 @@ class SharedPlacement:
             self._failed(exc)
             return None
         finally:
-            left = claiming[request.proposed] - 1
-            if left:
-                claiming[request.proposed] = left
-            else:
-                del claiming[request.proposed]
+            _count(self._claiming, request.proposed, -1)
         self._timeouts = 0
         counts[answer.chosen] = counts.get(answer.chosen, 0) + 1  # as the script wrote them
         self._sent_counts = counts
@@ -517,8 +521,9 @@ class SharedPlacement:
         return answer
 
     def _counts(self) -> dict[str, int]:
-        """This replica's requests in flight per backend, and the ones whose claim is in flight (on the
-        backend each proposed): they take a lease the moment their answer comes, and a count written
+        """This replica's requests in flight per backend, the ones whose claim is in flight (on the
+        backend each proposed) and the ones held for another replica's prefill (where they will go):
+        they take a lease the moment their answer or the prefill's end comes, and a count written
         meanwhile, by another claim or the background write, must not leave them out."""
         counts = self._load.local_counts() if self._load is not None else {}
         for pending in (self._claiming, self._held_back):
@@ -529,11 +534,7 @@ class SharedPlacement:
     def waiting_on(self, backend_id: str, change: int) -> None:
         """A request held for another replica's prefill will go to `backend_id` (change 1) or has
         stopped waiting (-1): counted there meanwhile, in the next write of this replica's counts."""
-        left = self._held_back.get(backend_id, 0) + change
-        if left > 0:
-            self._held_back[backend_id] = left
-        else:
-            self._held_back.pop(backend_id, None)
+        _count(self._held_back, backend_id, change)
 
     def counts_moved(self) -> None:
         """The request a claim counted on its chosen backend goes elsewhere: this replica's counts are
