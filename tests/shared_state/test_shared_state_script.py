@@ -21,6 +21,7 @@ from prefix_router.routing.shared_view import ClaimAnswer, ClaimRequest, Takeove
 from loopback import eventually_equal
 from redisserver import RedisServer
 from routerkit import eventually
+from storerelay import PartitionRelay
 
 BIG = float(1 << 40)
 
@@ -225,6 +226,63 @@ async def test_a_slow_store_times_out_and_the_caller_routes_locally(store: Any, 
     assert _errors(shared, "timeout") == 1
     assert shared.up  # one slow reply is that request's, not an outage
     await busy
+
+
+async def test_a_claim_answered_too_late_leaves_no_mark_for_others_to_wait_on(
+    store: Any, raw: Redis, redis_server: RedisServer
+) -> None:
+    """A claim whose answer comes after its timeout (a busy router's loop, a slow network) has run in
+    the store all the same, marking its blocks pending under a prefill whose end its replica would
+    never say: it routed locally, without the mark. Another replica's request would then wait out
+    prefill_wait_s for nothing. The mark is said ended at the timeout (or the cancellation), and a
+    claim that runs after that marks nothing."""
+    relay = PartitionRelay(redis_server.port)
+    await relay.start()
+    slow = SharedPlacement(f"redis://127.0.0.1:{relay.port}/0", 0.2, CollectorRegistry(), prefill_wait_s=5.0)
+    task = asyncio.get_running_loop().create_task(slow.run())
+    try:
+        other = await store(prefill_wait_s=5.0)
+        await eventually(lambda: slow.can_wait and other.can_wait)
+        # Connections open before the replies stop: a new one would wait for its handshake's reply.
+        await asyncio.gather(*(claimed(slow, claim([100 + i], "W")) for i in range(3)))
+        relay.hold_replies()
+        late = ClaimRequest((1, 2, 3), (100,) * 3, "111", "X", BIG, (), slow.new_mark(), True)
+        assert await slow.claim(late) is None
+        await eventually_equal(lambda: owners(raw, [1, 2, 3]), ["X"] * 3)  # it ran
+        relay.heal()
+        pending = [f"{NAMESPACE}p:{b}" for b in (1, 2, 3)]
+        await eventually_equal(lambda: raw.mget(pending), [None, None, None], timeout_s=2.0)
+        request = ClaimRequest((1, 2, 3, 4), (100,) * 4, "0111", "Y", BIG, (), "", True)
+        follower = await claimed(other, request)
+        assert (follower.chosen, follower.wait_for) == ("X", "")
+        # The same when the request is cancelled (its client went away) while the answer is due.
+        await asyncio.gather(*(claimed(slow, claim([200 + i], "W")) for i in range(3)))
+        relay.hold_replies()
+        gone = ClaimRequest((7, 8), (100,) * 2, "11", "X", BIG, (), slow.new_mark(), True)
+        waiting = asyncio.ensure_future(slow.claim(gone))
+        await eventually_equal(lambda: owners(raw, [7, 8]), ["X"] * 2)
+        waiting.cancel()
+        relay.heal()
+        pending = [f"{NAMESPACE}p:{b}" for b in (7, 8)]
+        await eventually_equal(lambda: raw.mget(pending), [None, None], timeout_s=2.0)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await slow.close()
+        await relay.stop()
+
+
+async def test_a_claim_that_runs_after_its_mark_was_said_ended_marks_nothing(store: Any, raw: Redis) -> None:
+    """The other order of the same race: the end said at the timeout reaches the store first."""
+    shared = await store(prefill_wait_s=5.0)
+    late = ClaimRequest((1, 2), (100,) * 2, "11", "X", BIG, (), shared.new_mark(), True)
+    shared.prefilled(late.mark, late, "X")
+    await eventually_equal(lambda: raw.exists(f"{NAMESPACE}e:{late.mark}"), 1)
+    answer = await claimed(shared, late)
+    assert answer.chosen == "X" and not answer.marked
+    assert await raw.mget([f"{NAMESPACE}p:1", f"{NAMESPACE}p:2"]) == [None, None]
+    assert 0 < await raw.pttl(f"{NAMESPACE}e:{late.mark}") <= 5000  # gone with the marks it outlives
 
 
 async def test_a_wrong_reply_is_counted_and_said_once_without_calling_the_store_down(

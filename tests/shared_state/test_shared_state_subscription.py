@@ -14,53 +14,7 @@ from prefix_router.fleet.shared_state import SharedPlacement
 
 from redisserver import RedisServer
 from routerkit import eventually
-
-
-class PartitionRelay:
-    """A TCP relay from a loopback port to Redis; partitioned, it holds every byte either way."""
-
-    def __init__(self, target_port: int) -> None:
-        self._target_port = target_port
-        self._passing = asyncio.Event()
-        self._passing.set()
-        self._server: asyncio.Server | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
-        self.port = 0
-
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-
-    def partition(self) -> None:
-        self._passing.clear()
-
-    def heal(self) -> None:
-        self._passing.set()
-
-    async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-        for task in list(self._tasks):
-            task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError, OSError):
-                await task
-
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self._target_port)
-        for source, sink in ((reader, up_writer), (up_reader, writer)):
-            task = asyncio.get_running_loop().create_task(self._pipe(source, sink))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-
-    async def _pipe(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
-        try:
-            while data := await source.read(65536):
-                await self._passing.wait()
-                sink.write(data)
-                await sink.drain()
-        finally:
-            sink.close()
+from storerelay import PartitionRelay
 
 
 async def test_a_subscription_gone_quiet_without_a_word_is_found_lost_and_lets_its_waiters_go(

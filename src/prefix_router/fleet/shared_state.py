@@ -23,8 +23,8 @@ none came for LOAD_FLUSH_S; a request that goes elsewhere than its claim counted
 Keys, under NAMESPACE: `o:<block>` the block's owner; per backend `lru:<backend>` (a sorted set of
 blocks by the shared clock's reading of their last use), `size:<backend>` (bytes of each block);
 `used`, `count` and `cap` (hashes by backend: bytes placed, entries, capacity); `clock`; `p:<block>`,
-`ld:<replica>`, `replicas` as above. Scripts touch keys they derive, so the store must be one Redis
-(6.2 or later) or Valkey, not a cluster.
+`e:<mark>` (a prefill said ended), `ld:<replica>`, `replicas` as above. Scripts touch keys they
+derive, so the store must be one Redis (6.2 or later) or Valkey, not a cluster.
 """
 
 from __future__ import annotations
@@ -167,6 +167,7 @@ local max_entries = tonumber(ARGV[4])
 local follow = ARGV[5]
 local blocks, sizes, listed = split(ARGV[6]), split(ARGV[7]), split(ARGV[8])
 local mark, wait, mark_ttl = ARGV[9], ARGV[10] == '1', ARGV[11]
+if mark ~= '' and redis.call('EXISTS', ns .. 'e:' .. mark) == 1 then mark = '' end
 local me, pairs, load_ttl = ARGV[12], split(ARGV[13]), ARGV[14]
 local n, m = #blocks, #listed
 local owner_keys = {}
@@ -283,11 +284,14 @@ return 1
 )
 
 
-# ARGV: namespace, the mark, the request's blocks, the backend it went to. The prefill under that
-# mark ended (its first byte, or the attempt's end): its marks go, and every replica hears the mark
-# and the backend (which the waiters go to: it may not be the owner their claim named) on `prefilled`.
+# ARGV: namespace, the mark, the request's blocks, the backend it went to, the marks' lifetime (ms).
+# The prefill under that mark ended (its first byte, or the attempt's end): its marks go, and every
+# replica hears the mark and the backend (which the waiters go to: it may not be the owner their claim
+# named) on `prefilled`. `e:<mark>` says it ended, for a claim under that mark that comes after (one
+# whose answer came too late for the replica that sent it): that claim marks nothing.
 PREFILLED_SCRIPT = """
 local ns, mark = ARGV[1], ARGV[2]
+redis.call('SET', ns .. 'e:' .. mark, '1', 'PX', ARGV[5])
 for block in string.gmatch(ARGV[3], '[^\\n]+') do
   local key = ns .. 'p:' .. block
   if redis.call('GET', key) == mark then redis.call('DEL', key) end
@@ -505,6 +509,7 @@ class SharedPlacement:
             _packed(counts),
             self._load_ttl_ms,
         ]
+        answer: ClaimAnswer | None = None
         try:
             async with asyncio.timeout(self._timeout_s):
                 reply = await self._claim(args=args)
@@ -514,6 +519,10 @@ class SharedPlacement:
             return None
         finally:
             _count(self._claiming, request.proposed, -1)
+            if answer is None and mark:
+                # Timed out, unreadable or cancelled: the claim may have run, or may yet. Its marks
+                # must not hold other replicas' requests for a prefill nobody will say has ended.
+                self.prefilled(mark, request, request.proposed)
         self._timeouts = 0
         counts[answer.chosen] = counts.get(answer.chosen, 0) + 1  # as the script wrote them
         self._sent_counts = counts
@@ -564,7 +573,8 @@ class SharedPlacement:
             return
         # Even while the store is called down (it may only be slow): other replicas' requests may be
         # waiting for this, until prefill_wait_s.
-        args: list[str | int] = [self._namespace, mark, "\n".join(map(str, request.blocks)), backend_id]
+        blocks = "\n".join(map(str, request.blocks))
+        args: list[str | int] = [self._namespace, mark, blocks, backend_id, self._mark_ttl_ms or "1"]
         self._background(self._prefilled, args)
 
     async def wait_prefilled(self, mark: str, timeout_s: float) -> tuple[str, str] | None:
