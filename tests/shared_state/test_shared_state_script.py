@@ -130,12 +130,39 @@ async def test_eviction_drops_the_owners_that_name_the_backend(store: Any, raw: 
     assert figures["Y"][0] == 100 and figures["Y"][2] == 1
 
 
+async def test_blocks_being_prefilled_are_not_aged_out_by_the_claims_made_meanwhile(
+    store: Any, raw: Redis
+) -> None:
+    """Replicas placing two new documents at once, each proposing the same backend, whose cache holds
+    one: the first is being prefilled there, so the engine keeps it, and so must the store. The second
+    claim sees that backend full (what a first placement compares), and the first keeps its owner."""
+    a, b = await store(prefill_wait_s=5.0), await store(prefill_wait_s=5.0)
+    await eventually(lambda: a.can_wait and b.can_wait)
+    mark = a.new_mark()
+    first = ClaimRequest((1, 2, 3), (100,) * 3, "111", "X", 300, ("X", "Y"), mark, True)
+    assert (await claimed(a, first)).marked
+    other = ClaimRequest((7, 8, 9), (100,) * 3, "111", "X", 300, ("X", "Y"), b.new_mark(), True)
+    second = await claimed(b, other)
+    assert second.chosen == "X"
+    before = {backend: used for backend, used, _, _ in second.figures_before()}
+    assert before["X"] == 300  # the first document, still held by its prefill
+    assert await owners(raw, [1, 2, 3, 7, 8, 9]) == ["X"] * 6
+    # Its prefill over, the first document ages out as any other: the next claim makes room, and
+    # the second document, still being prefilled, stays.
+    a.prefilled(mark, first, "X")
+    await eventually_equal(lambda: raw.get(f"{NAMESPACE}p:1"), None)
+    await claimed(b, ClaimRequest((20,), (100,), "1", "X", 300, (), "", False))
+    assert await owners(raw, [1, 2, 3]) == [None, None, None]
+    assert await owners(raw, [7, 8, 9, 20]) == ["X"] * 4
+
+
 async def test_a_request_sent_after_a_prefill_touches_its_blocks_and_owns_the_ones_nobody_owns(
     store: Any, raw: Redis
 ) -> None:
     """While the prefill it waited for ran, other claims aged the prefix out of the footprint (the
-    store does not pin running prompts, the engine does): when the request goes there, they are the
-    backend's most recent blocks again, and owned by it where nobody owns them."""
+    store pins a prompt only while it is being prefilled, the engine until it ends): when the
+    request goes there, they are the backend's most recent blocks again, and owned by it where
+    nobody owns them."""
     shared = await store()
     prefilled = claim([1, 2], "X", capacity=200)
     await claimed(shared, prefilled)

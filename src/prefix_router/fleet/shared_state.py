@@ -68,7 +68,9 @@ SUBSCRIPTION_PING_S = 1.0
 
 # Shared by both scripts: note blocks as just used by a backend, newest first (a prefix's shallow
 # blocks end most recently used, so eviction trims prefixes from their tails), then evict its least
-# recently used blocks while it holds more than its capacity, dropping the owners that name it.
+# recently used blocks while it holds more than its capacity, dropping the owners that name it. A
+# block pending a prefill (`p:<block>`) is not evicted: the engine holds it until the prefill is done,
+# and a claim that pushed it out would see room there that the engine does not have.
 _RECORD = """
 local ns = ARGV[1]
 -- Lists travel as one newline-joined argument each: 3 arguments for 30 blocks rather than 60 (the
@@ -98,17 +100,33 @@ local function record(backend, cap, max_entries, blocks, sizes)
   if #fresh > 0 then redis.call('HSET', sz, unpack(fresh)) end
   local used = tonumber(redis.call('HGET', ns .. 'used', backend) or '0') + added
   local count = redis.call('ZCARD', lru)
+  local pinned = {}
   while count > 1 and (used > cap or count > max_entries) do
-    local popped = redis.call('ZPOPMIN', lru)
-    local block = popped[1]
-    used = used - tonumber(redis.call('HGET', sz, block) or '0')
-    redis.call('HDEL', sz, block)
+    local block = redis.call('ZPOPMIN', lru)[1]
     count = count - 1
-    local owner_key = ns .. 'o:' .. block
-    if redis.call('GET', owner_key) == backend then
-      redis.call('DEL', owner_key)
+    if redis.call('EXISTS', ns .. 'p:' .. block) == 1 then
+      pinned[#pinned + 1] = block  -- being prefilled: in use now, and kept
+    else
+      used = used - tonumber(redis.call('HGET', sz, block) or '0')
+      redis.call('HDEL', sz, block)
+      local owner_key = ns .. 'o:' .. block
+      if redis.call('GET', owner_key) == backend then
+        redis.call('DEL', owner_key)
+      end
     end
   end
+  -- Back as just used (below this request's own blocks, in their order), so the next evictions
+  -- come to them only after the older blocks; in slices, as unpack() of a long list would overflow.
+  local p = #pinned
+  for first = 1, p, 1000 do
+    local slice = {}
+    for j = first, math.min(first + 999, p) do
+      slice[#slice + 1] = now - n - (p - j)
+      slice[#slice + 1] = pinned[j]
+    end
+    redis.call('ZADD', lru, unpack(slice))
+  end
+  count = count + p
   redis.call('HSET', ns .. 'used', backend, used)
   redis.call('HSET', ns .. 'count', backend, count)
   return added
@@ -302,7 +320,8 @@ return redis.call('PUBLISH', ns .. 'prefilled', mark .. '\\n' .. ARGV[4])
 # ARGV: namespace, backend, its capacity, max entries, the blocks, their sizes. A request held for a
 # prefill of its prefix on that backend goes there now: the prefix was just used there, as the
 # engine sees it, and a block that lost its owner while the prefill ran (aged out by the claims
-# meanwhile: the store does not pin running prompts) is owned by that backend again.
+# meanwhile: the store pins only blocks still pending, not prompts running) is owned by that backend
+# again.
 TOUCH_SCRIPT = (
     _RECORD
     + """
