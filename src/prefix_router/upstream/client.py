@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 from prefix_router.errors import FirstByteTimeout, UpstreamError
 from prefix_router.upstream.config import UpstreamConfig
 from prefix_router.upstream.http1 import BodySink, Connection, Origin, StaleConnection
-from prefix_router.upstream.pool import CONNECT_GRACE_S, ConnectionBudget, Pool
+from prefix_router.upstream.pool import CONNECT_GRACE_S, ConnectionBudget, Pool, abandon
 
 T = TypeVar("T")
 
@@ -114,8 +114,7 @@ async def wait_for_awake(task: asyncio.Future[T], timeout_s: float) -> T:
             return task.result()
         raise TimeoutError
     finally:
-        if not task.done():
-            task.cancel()
+        abandon(task)  # returned: a no-op; left early (timeout, or the caller cancelled): given up
 
 
 class UpstreamResponse:

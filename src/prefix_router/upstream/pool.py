@@ -29,6 +29,7 @@ import collections
 import contextlib
 import ssl
 from dataclasses import dataclass, field
+from typing import Any
 
 from prefix_router.errors import ConnectFailed
 from prefix_router.upstream.http1 import Connection, Origin, State
@@ -37,6 +38,22 @@ from prefix_router.waiters import wake_first
 # After a connect's deadline: a timer this short still fires only after the loop has polled its sockets
 # once more, so a handshake that finished during a stall is seen before the connect is failed.
 CONNECT_GRACE_S = 0.01
+
+
+def abandon(task: asyncio.Future[Any]) -> None:
+    """Give up on `task`: cancel it if it still runs, and take its outcome whenever it comes. A task
+    given up on in the turn it failed (a connect refused as shutdown cancels the caller) would
+    otherwise have its error logged by asyncio, with a traceback, as never retrieved."""
+    if task.done():
+        _take_outcome(task)
+    else:
+        task.cancel()
+        task.add_done_callback(_take_outcome)
+
+
+def _take_outcome(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 @dataclass(slots=True)
@@ -169,7 +186,7 @@ class Pool:
             conn.close()
             raise ConnectFailed(f"connect failed: {type(exc).__name__}") from exc
         except BaseException:
-            connecting.cancel()
+            abandon(connecting)
             conn.close()
             raise
         return conn
