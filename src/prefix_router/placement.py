@@ -32,6 +32,7 @@ from prefix_router.routing.ring import HashRing
 from prefix_router.routing.shared_view import (
     ClaimAnswer,
     ClaimRequest,
+    Resolution,
     Takeover,
     after_prefill,
     claim_request,
@@ -75,8 +76,6 @@ class SharedStore(Protocol):
     def counts_moved(self) -> None: ...
 
     def waiting_on(self, backend_id: str, change: int) -> None: ...
-
-    def touch(self, request: ClaimRequest, backend_id: str, capacity_bytes: float) -> None: ...
 
     def prefilled(self, mark: str, request: ClaimRequest, backend_id: str) -> None: ...
 
@@ -410,40 +409,20 @@ class Placer:
     ) -> tuple[Decision, SharedMark | None]:
         """The decision every replica agrees on (routing/shared_view.py): one bounded round trip to
         the shared store; while it is slow or down, the local decision. Then, when another replica
-        is prefilling the prefix it follows there, the bounded wait for that prefill's end."""
+        is prefilling the prefix it follows there, the bounded wait for that prefill's end, and a
+        second claim once it ended."""
         shared = self._shared
         assert shared is not None
-        load = self._backends.load
         if not shared.up:
-            load.clear_peers()
+            self._backends.load.clear_peers()
             return local, None
-        picker = self._picker
         holds = self._holds is not None
-        request = claim_request(
-            key, local, picker, ring, shared.new_mark() if holds else "", holds and shared.can_wait
-        )
-        answer = await shared.claim(request)
-        if answer is None:
-            load.clear_peers()
+        mark_id = shared.new_mark() if holds else ""
+        claimed = await self._claim(key, local, ring, candidates, mark_id, holds and shared.can_wait)
+        if claimed is None:
             return local, None
-        load.set_peers(answer.peers)
-        picker.shared_footprints(answer.figures_before())
-        if stale_follow(local, answer):
-            picker.forget_placed(key, local.backend_id, answer.depth)
-        resolution = resolve(
-            local,
-            answer,
-            candidates.members,
-            lambda b: picker.may_follow(b, candidates, load),
-            lambda: picker.pick(key, ring, candidates, load),
-        )
-        if answer.added and resolution.takeover is None:  # else the take-over moves those bytes
-            picker.shared_footprints(answer.figures)
-        if resolution.takeover is not None:
-            shared.take_over(resolution.takeover, request, request.capacity_bytes)
+        request, answer, resolution = claimed
         decision = resolution.decision
-        if decision.backend_id != answer.chosen:
-            shared.counts_moved()
         mark = SharedMark(shared, request.mark, request, decision.backend_id) if answer.marked else None
         if not resolution.wait_for:
             return decision, mark
@@ -464,19 +443,66 @@ class Placer:
             return decision, mark
         outcome, prefilled_on = ended
         self._waits.prefill_waited(outcome, time.perf_counter() - began)
+        load = self._backends.load
+        picker = self._picker
         moved = after_prefill(
             decision, prefilled_on, candidates.members, lambda b: picker.may_follow(b, candidates, load)
         )
-        if moved is not decision:
-            # What the claim gave the old choice goes where the request goes, and so does its count.
-            takeover = Takeover(decision.backend_id, moved.backend_id, answer.depth)
-            shared.take_over(takeover, request, request.capacity_bytes)
-            shared.counts_moved()
+        # Claimed again, now: the fleet's counts this request was admitted on are a prefill old, and
+        # every replica's waiters go at once; each claim counts its own, so together they keep the
+        # bound. The claim also notes the prefix as just used where it goes (the engine's view).
+        try:
+            again = await self._claim(key, moved, ring, candidates, "", False)
+        except BaseException:
             if mark is not None:
-                mark.backend_id = moved.backend_id
-        elif outcome == "ready" and picker.ledgers is not None:
-            shared.touch(request, moved.backend_id, picker.ledgers.capacity(moved.backend_id))
+                mark.release()
+            raise
+        if again is None:
+            if moved is not decision:
+                takeover = Takeover(decision.backend_id, moved.backend_id, answer.depth)
+                shared.take_over(takeover, request, request.capacity_bytes)
+                shared.counts_moved()
+        else:
+            moved = again[2].decision
+        if mark is not None:
+            mark.backend_id = moved.backend_id
         return moved, mark
+
+    async def _claim(
+        self, key: RoutingKey, local: Decision, ring: HashRing, candidates: Candidates, mark: str, wait: bool
+    ) -> tuple[ClaimRequest, ClaimAnswer, Resolution] | None:
+        """One claim and what it resolves to, with the take-over and the counts it moves written
+        (in the background); None when the store did not answer (the caller keeps `local`)."""
+        shared = self._shared
+        assert shared is not None
+        load = self._backends.load
+        picker = self._picker
+        request = claim_request(key, local, picker, ring, mark, wait)
+        answer = await shared.claim(request)
+        if answer is None:
+            load.clear_peers()
+            return None
+        load.set_peers(answer.peers)
+        picker.shared_footprints(answer.figures_before())
+        if stale_follow(local, answer):
+            picker.forget_placed(key, local.backend_id, answer.depth)
+        # An owner the store's count of the fleet (this replica's claims in flight among it) puts at
+        # the limit is full, whatever this replica's own view says: every replica must see it so.
+        full = answer.full
+        resolution = resolve(
+            local,
+            answer,
+            candidates.members,
+            lambda b: b not in full and picker.may_follow(b, candidates, load),
+            lambda: picker.pick(key, ring, candidates, load),
+        )
+        if answer.added and resolution.takeover is None:  # else the take-over moves those bytes
+            picker.shared_footprints(answer.figures)
+        if resolution.takeover is not None:
+            shared.take_over(resolution.takeover, request, request.capacity_bytes)
+        if resolution.decision.backend_id != answer.counted_on:
+            shared.counts_moved()
+        return request, answer, resolution
 
     async def _wait_for_prefill(self, ticket: int) -> None:
         assert self._holds is not None

@@ -11,7 +11,16 @@ from typing import Any
 import aiohttp
 import httpx
 import orjson
+from prometheus_client import CollectorRegistry
+from redis.asyncio import Redis
 
+from prefix_router.fleet.shared_state import NAMESPACE, SharedPlacement
+from prefix_router.routing.config import KeyConfig
+from prefix_router.routing.keys import block_sizes, extract_key
+from prefix_router.routing.load import LoadTracker
+from prefix_router.routing.shared_view import ClaimRequest, Takeover
+
+from loopback import eventually_equal
 from redisserver import RedisServer
 from routerkit import RunningRouter, eventually, router_settings
 
@@ -168,3 +177,59 @@ async def test_requests_held_for_another_routers_prefill_are_counted_where_they_
     homes = await asyncio.gather(first, held, third)
     assert list(homes[:2]) == [owner.url, owner.url] and homes[2] != owner.url
     assert max(b.peak_active for b in backends) <= 2
+
+
+async def test_a_request_held_for_a_prefill_is_placed_on_the_fleet_as_it_stands_when_the_prefill_ends(
+    fake_backends: Any, router: Any, redis_server: RedisServer
+) -> None:
+    """Every replica's waiters go at once when a prefill ends, where it ran (which may not be the
+    owner their claims named: its own request may have moved). They must be placed on the fleet's
+    counts of that moment, not on the ones their claims saw before the wait: here another replica
+    filled that backend to max_inflight meanwhile, and the held request goes elsewhere."""
+    backends = await fake_backends(3)
+    owner, prefilled_on = backends[0].url, backends[1].url
+    (held_router,) = await _routers(router, backends, redis_server.url, 1, balancing={"max_inflight": 2})
+    held_shared = held_router.app.shared
+    assert held_shared is not None
+    # Two other replicas, as the store sees them: one prefilling the prefix, one with requests in flight.
+    prefilling = SharedPlacement(redis_server.url, 2.0, CollectorRegistry(), prefill_wait_s=5.0)
+    busy_load = LoadTracker()
+    busy = SharedPlacement(redis_server.url, 2.0, CollectorRegistry(), load=busy_load)
+    raw = Redis.from_url(redis_server.url, decode_responses=True)
+    tasks = [asyncio.create_task(shared.run()) for shared in (prefilling, busy)]
+    try:
+        await eventually(lambda: prefilling.up and busy.up)
+        # The key the router takes of a body sent to _stream's path: its first bytes, canonicalised.
+        key = extract_key("/stream", orjson.dumps(_body("first question", True)), None, KeyConfig())
+        blocks = key.blocks
+        first = ClaimRequest(
+            blocks, block_sizes(key.ends)[: len(blocks)], "1" * len(blocks), owner, 1e12, (), "other:1"
+        )
+        assert (await prefilling.claim(first)) is not None  # owner, prefill pending under other:1
+        async with aiohttp.ClientSession() as s:
+            held = asyncio.create_task(_stream(s, held_router, "second question"))
+            ld = f"{NAMESPACE}ld:{held_shared.replica}"
+            await eventually_equal(lambda: _hget(raw, ld, owner), "1")  # held, counted on the owner
+            assert sum(len(b.seen) for b in backends) == 0
+            # Meanwhile the other replica fills the backend the prefill will end on.
+            for _ in range(2):
+                busy_load.acquire(prefilled_on)
+            assert (await busy.claim(ClaimRequest((99,), (100,), "1", backends[2].url, 1e12, ()))) is not None
+            # The prefill's request went there instead of the owner, and its prefill ended there.
+            prefilling.take_over(Takeover(owner, prefilled_on, 0), first, 1e12)
+            await eventually_equal(lambda: _hget(raw, f"{NAMESPACE}o:{blocks[0]}", None), prefilled_on)
+            prefilling.prefilled("other:1", first, prefilled_on)
+            home = await held
+        assert home != prefilled_on, "the backend the prefill ended on is at max_inflight by now"
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for shared in (prefilling, busy):
+            await shared.close()
+        await raw.aclose()
+
+
+async def _hget(raw: Redis, key: str, field: str | None) -> str | None:
+    value = await (raw.get(key) if field is None else raw.hget(key, field))
+    return value.decode() if isinstance(value, bytes) else value

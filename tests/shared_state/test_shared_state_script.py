@@ -62,6 +62,7 @@ def claim(
     sizes: list[int] | None = None,
     capacity: float = BIG,
     listed: tuple[str, ...] = (),
+    follow_limit: int = 0,
 ) -> ClaimRequest:
     return ClaimRequest(
         tuple(blocks),
@@ -70,6 +71,7 @@ def claim(
         proposed,
         capacity,
         listed,
+        follow_limit=follow_limit,
     )
 
 
@@ -154,29 +156,6 @@ async def test_blocks_being_prefilled_are_not_aged_out_by_the_claims_made_meanwh
     await claimed(b, ClaimRequest((20,), (100,), "1", "X", 300, (), "", False))
     assert await owners(raw, [1, 2, 3]) == [None, None, None]
     assert await owners(raw, [7, 8, 9, 20]) == ["X"] * 4
-
-
-async def test_a_request_sent_after_a_prefill_touches_its_blocks_and_owns_the_ones_nobody_owns(
-    store: Any, raw: Redis
-) -> None:
-    """While the prefill it waited for ran, other claims aged the prefix out of the footprint (the
-    store pins a prompt only while it is being prefilled, the engine until it ends): when the
-    request goes there, they are the backend's most recent blocks again, and owned by it where
-    nobody owns them."""
-    shared = await store()
-    prefilled = claim([1, 2], "X", capacity=200)
-    await claimed(shared, prefilled)
-    await claimed(shared, claim([3, 4], "X", capacity=200))  # pushes 2, then 1, out of the footprint
-    assert await owners(raw, [1, 2, 3, 4]) == [None, None, "X", "X"]
-    shared.touch(prefilled, "X", 200)
-    await eventually_equal(lambda: owners(raw, [1, 2]), ["X", "X"])
-    assert await raw.zrange(f"{NAMESPACE}lru:X", 0, -1) == ["2", "1"]  # the others made room
-    assert await owners(raw, [3, 4]) == [None, None]
-    # A block another backend owns by now keeps its owner.
-    await claimed(shared, claim([7], "Y"))
-    shared.touch(claim([7], "X"), "X", 200)
-    await eventually_equal(lambda: raw.zrange(f"{NAMESPACE}lru:X", 0, -1), ["1", "7"])
-    assert await owners(raw, [7]) == ["Y"]
 
 
 async def test_footprints_report_each_listed_backend(store: Any) -> None:
@@ -481,6 +460,36 @@ async def test_the_answer_names_the_other_backends_that_hold_the_prefix_followed
     assert (answer.chosen, answer.followed, answer.holders) == ("X", True, ("Y",))
     thin = await claimed(shared, claim([1, 2, 3, 5], "Z", follow="0000", listed=("Y",)))
     assert not thin.followed and thin.holders == ()
+
+
+async def test_an_owner_full_by_the_fleets_counts_is_said_full_and_the_request_counted_on_a_holder(
+    store: Any, raw: Redis
+) -> None:
+    """The replica sends a request whose owner is at the follow limit to the first holder with room:
+    the store counts it there at once, so the claims other replicas make before this one's next write
+    see it where it goes, and says which backends are full by everyone's counts, not only the
+    replica's own."""
+    loads = [LoadTracker(), LoadTracker()]
+    a, b = await store(load=loads[0]), await store(load=loads[1])
+    spilled = claim([1, 2, 3], "X")
+    await claimed(a, spilled)
+    a.take_over(Takeover("X", "Y", 3), spilled, BIG)  # Y holds the prefix too
+
+    async def on_y() -> bool:
+        return await raw.zscore(f"{NAMESPACE}lru:Y", "3") is not None
+
+    await eventually(on_y)
+    leases = [loads[0].acquire("X"), loads[0].acquire("X")]
+    await claimed(a, claim([9], "Z"))  # A's counts now: 2 on X, 1 on Z
+    answer = await claimed(b, claim([1, 2, 3, 4], "X", listed=("X", "Y", "Z"), follow_limit=2))
+    assert (answer.chosen, answer.followed, answer.holders) == ("X", True, ("Y",))
+    assert answer.full == {"X"} and answer.counted_on == "Y"
+    assert await _peers(a, [8]) == {"Y": 1}  # B's request, where B sends it
+    # Without a limit nothing is full, and the request is counted on the owner.
+    free = await claimed(b, claim([1, 2, 3, 5], "X", listed=("X", "Y", "Z")))
+    assert free.full == frozenset() and free.counted_on == "X"
+    for lease in leases:
+        lease.release()
 
 
 async def test_a_store_called_down_for_its_timeouts_lets_its_waiters_go(store: Any, raw: Redis) -> None:

@@ -1,10 +1,11 @@
 """Placement state shared by router replicas, in Redis (or Valkey): prefix owners and footprints,
 pending prefills and requests in flight.
 
-One awaited round trip per request at most: an EVALSHA of the `claim` script (what it does:
-routing/shared_view.py), bounded by `routing.shared_state_timeout_s`. A take-over, when the router
-could not send to the shared owner, the end of a prefill this replica marked, and the prefix a request
-held for a prefill goes to (used now there) are written in the background and never awaited. When
+One awaited round trip per request: an EVALSHA of the `claim` script (what it does:
+routing/shared_view.py), bounded by `routing.shared_state_timeout_s`; a request held for another
+replica's prefill claims once more when it ended. A take-over, when the router could not send to the
+shared owner, and the end of a prefill this replica marked are written in the background and never
+awaited. When
 the store is slow or down the router routes from its own state: each failure is counted
 (`prefix_router_shared_state_errors_total{reason}`), `prefix_router_shared_state_up` drops to 0 with
 one log line, calls stop until a background ping gets an answer again, and one line says so.
@@ -144,9 +145,9 @@ local function write_load(me, pairs, ttl_ms)
     redis.call('SADD', ns .. 'replicas', me)
   end
 end
--- The other replicas' requests in flight, summed per backend, appended to `reply` as pairs. A
--- replica whose counts expired (gone, or idle) leaves the set.
-local function peer_loads(me, reply)
+-- The other replicas' requests in flight, summed per backend (and the backends in the order first
+-- seen). A replica whose counts expired (gone, or idle) leaves the set.
+local function peer_loads(me)
   local sums, order = {}, {}
   for _, r in ipairs(redis.call('SMEMBERS', ns .. 'replicas')) do
     if r ~= me then
@@ -162,21 +163,22 @@ local function peer_loads(me, reply)
       end
     end
   end
-  for _, b in ipairs(order) do
-    reply[#reply + 1] = b
-    reply[#reply + 1] = sums[b]
-  end
+  return sums, order
 end
 """
 
 # ARGV: namespace, proposed backend, its capacity (bytes), max entries, follow table, the blocks,
 # their sizes, the listed backends, the request's mark ('' none), wait ('1': report a pending prefill),
-# marks' lifetime (ms), this replica, its in-flight pairs, their lifetime (ms). The reply is one
-# newline-joined string: chosen, depth, followed, the mark to wait for ('-' none), marked, the bytes
-# this claim added to the chosen backend's footprint, which listed backends also hold the prefix
-# followed (one '0' or '1' each; '-' when none was followed); bytes used,
-# oldest use and entries of each listed backend; then backend and count pairs of the others' in-flight
-# requests. The replica's own counts are written with its request counted on the chosen backend.
+# marks' lifetime (ms), this replica, its in-flight pairs, their lifetime (ms), the follow limit ('0':
+# none). The reply is one newline-joined string: chosen, depth, followed, the mark to wait for ('-'
+# none), marked, the bytes this claim added to the chosen backend's footprint, which listed backends
+# also hold the prefix followed (one '0' or '1' each; '-' when none was followed), the backend the
+# request is counted on, which listed backends the fleet's counts put at the follow limit (bits again;
+# '-' without a limit); bytes used, oldest use and entries of each listed backend; then backend and
+# count pairs of the others' in-flight requests. The replica's own counts are written with its request
+# counted on the chosen backend, or, when that owner is at the follow limit, on the first holder under
+# it: where the replica will send it (routing/shared_view.py, `resolve`), so that the claims other
+# replicas make before this one's next write see it there.
 CLAIM_SCRIPT = (
     _RECORD
     + """
@@ -226,30 +228,51 @@ for i = 1, n do
 end
 if #unowned > 0 then redis.call('MSET', unpack(unowned)) end
 local added = record(chosen, capacity_of(chosen), max_entries, blocks, sizes)
+-- Which listed backends besides the owner hold the prefix followed (their footprints have its deepest
+-- block): where the request goes, in the walk's order, when the owner is at its bound.
+local holders, held = '-', {}
+if followed == 1 and m > 0 then
+  local bits = {}
+  for j = 1, m do
+    held[j] = listed[j] ~= chosen and redis.call('ZSCORE', ns .. 'lru:' .. listed[j], blocks[depth])
+    bits[j] = held[j] and '1' or '0'
+  end
+  holders = table.concat(bits)
+end
+local sums, order = peer_loads(me)
+local mine = {}
+for k = 1, #pairs, 2 do mine[pairs[k]] = tonumber(pairs[k + 1]) end
+local function fleet_load(b) return (mine[b] or 0) + (sums[b] or 0) end
+local limit = tonumber(ARGV[15]) or 0
+local counted_on, full = chosen, '-'
+if limit > 0 then
+  -- Which listed backends the fleet's counts put at the limit (this replica's claims still in flight
+  -- counted where they proposed): no replica follows an owner there, whatever its own counts say.
+  local bits = {}
+  for j = 1, m do bits[j] = fleet_load(listed[j]) + 1 > limit and '1' or '0' end
+  full = table.concat(bits)
+  if followed == 1 and fleet_load(chosen) + 1 > limit then
+    for j = 1, m do
+      if held[j] and bits[j] == '0' then
+        counted_on = listed[j]
+        break
+      end
+    end
+  end
+end
 local counted = false
 for k = 1, #pairs, 2 do
-  if pairs[k] == chosen then
+  if pairs[k] == counted_on then
     pairs[k + 1] = tostring(tonumber(pairs[k + 1]) + 1)
     counted = true
   end
 end
 if not counted then
-  pairs[#pairs + 1] = chosen
+  pairs[#pairs + 1] = counted_on
   pairs[#pairs + 1] = '1'
 end
 write_load(me, pairs, load_ttl)
--- Which listed backends besides the owner hold the prefix followed (their footprints have its deepest
--- block): where the request goes, in the walk's order, when the owner is at its bound.
-local holders = '-'
-if followed == 1 and m > 0 then
-  local bits = {}
-  for j = 1, m do
-    local held = listed[j] ~= chosen and redis.call('ZSCORE', ns .. 'lru:' .. listed[j], blocks[depth])
-    bits[j] = held and '1' or '0'
-  end
-  holders = table.concat(bits)
-end
-local reply = {chosen, depth, followed, wait_for, marked, added, holders}
+local reply = {chosen, depth, followed, wait_for, marked, added, holders, counted_on, full}
 if m > 0 then
   local used = redis.call('HMGET', ns .. 'used', unpack(listed))
   local counts = redis.call('HMGET', ns .. 'count', unpack(listed))
@@ -264,7 +287,10 @@ if m > 0 then
     reply[#reply + 1] = count
   end
 end
-peer_loads(me, reply)
+for _, b in ipairs(order) do
+  reply[#reply + 1] = b
+  reply[#reply + 1] = sums[b]
+end
 return table.concat(reply, '\\n')
 """
 )
@@ -316,25 +342,6 @@ for block in string.gmatch(ARGV[3], '[^\\n]+') do
 end
 return redis.call('PUBLISH', ns .. 'prefilled', mark .. '\\n' .. ARGV[4])
 """
-
-# ARGV: namespace, backend, its capacity, max entries, the blocks, their sizes. A request held for a
-# prefill of its prefix on that backend goes there now: the prefix was just used there, as the
-# engine sees it, and a block that lost its owner while the prefill ran (aged out by the claims
-# meanwhile: the store pins only blocks still pending, not prompts running) is owned by that backend
-# again.
-TOUCH_SCRIPT = (
-    _RECORD
-    + """
-local backend = ARGV[2]
-local blocks, sizes = split(ARGV[5]), split(ARGV[6])
-redis.call('HSET', ns .. 'cap', backend, ARGV[3])
-record(backend, tonumber(ARGV[3]), tonumber(ARGV[4]), blocks, sizes)
-for i = 1, #blocks do
-  redis.call('SET', ns .. 'o:' .. blocks[i], backend, 'NX')
-end
-return 1
-"""
-)
 
 # ARGV: namespace, this replica, its in-flight pairs, their lifetime (ms).
 LOAD_SCRIPT = (
@@ -426,8 +433,7 @@ class SharedPlacement:
         self._takeover = self._redis.register_script(TAKEOVER_SCRIPT)
         self._prefilled = self._redis.register_script(PREFILLED_SCRIPT)
         self._write_load = self._redis.register_script(LOAD_SCRIPT)
-        self._touch = self._redis.register_script(TOUCH_SCRIPT)
-        self._scripts = (self._claim, self._takeover, self._prefilled, self._write_load, self._touch)
+        self._scripts = (self._claim, self._takeover, self._prefilled, self._write_load)
         self._up = False
         self._timeouts = 0
         self._said: bool | None = None  # the state the last log line announced
@@ -527,6 +533,7 @@ class SharedPlacement:
             self.replica,
             _packed(counts),
             self._load_ttl_ms,
+            request.follow_limit,
         ]
         answer: ClaimAnswer | None = None
         try:
@@ -543,7 +550,7 @@ class SharedPlacement:
                 # must not hold other replicas' requests for a prefill nobody will say has ended.
                 self.prefilled(mark, request, request.proposed)
         self._timeouts = 0
-        counts[answer.chosen] = counts.get(answer.chosen, 0) + 1  # as the script wrote them
+        counts[answer.counted_on] = counts.get(answer.counted_on, 0) + 1  # as the script wrote them
         self._sent_counts = counts
         self._sent_at = asyncio.get_running_loop().time()
         return answer
@@ -569,21 +576,6 @@ class SharedPlacement:
         written in the background as soon as the caller yields (its lease is taken by then), rather
         than after LOAD_FLUSH_S, while the others would see the backend it goes to one short."""
         self._flush_now.set()
-
-    def touch(self, request: ClaimRequest, backend_id: str, capacity_bytes: float) -> None:
-        """The request, held for a prefill of its prefix on `backend_id`, goes there now: its blocks
-        are used now there, and owned by it where nobody owns them (background)."""
-        if not self._up:
-            return
-        args: list[str | int] = [
-            self._namespace,
-            backend_id,
-            int(capacity_bytes),
-            self._max_entries,
-            "\n".join(map(str, request.blocks)),
-            "\n".join(map(str, request.sizes)),
-        ]
-        self._background(self._touch, args)
 
     def prefilled(self, mark: str, request: ClaimRequest, backend_id: str) -> None:
         """The prefill under `mark` on `backend_id` ended: its marks go and the replicas hear it

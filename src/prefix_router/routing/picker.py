@@ -75,6 +75,11 @@ class Picker:
         if self._ledgers is not None:
             self._ledgers.set_capacity(backend_id, capacity_bytes)
 
+    @property
+    def follow_limit(self) -> float:
+        """The most in flight on an owner that takes one more follower (routing.load.follow_limit)."""
+        return self._follow_limit
+
     def may_follow(self, backend_id: str, usable: Candidates, load: LoadTracker) -> bool:
         """May `backend_id`, an owner of the request's prefix found elsewhere (the shared store), take
         it now: a candidate under max_inflight, as the prefix policy follows its own owners."""

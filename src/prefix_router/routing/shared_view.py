@@ -20,6 +20,7 @@ Two more things travel in the same round trip, because one replica cannot see th
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
@@ -38,6 +39,9 @@ class ClaimRequest:
     listed: tuple[str, ...]  # backends whose shared footprint the answer reports (the ring walk's first)
     mark: str = ""  # this request prefills the blocks it claims first: they are pending under this mark
     wait: bool = False  # report another replica's pending prefill of the prefix the claim follows
+    # An owner followed with this many of the fleet's requests in flight or more is full: the store
+    # counts the request on the first holder under it, where `resolve` sends it (0: on the owner).
+    follow_limit: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +57,12 @@ class ClaimAnswer:
     peers: tuple[tuple[str, int], ...] = ()  # the other replicas' requests in flight, per backend
     added: int = 0  # bytes this claim added to the chosen backend's footprint (in `figures` already)
     holders: tuple[str, ...] = ()  # other listed backends holding the prefix followed, in walk order
+    counted_on: str = ""  # where the store counted the request in flight ('' in a hand-made answer: chosen)
+    full: frozenset[str] = frozenset()  # listed backends the fleet's counts put at the follow limit
+
+    def __post_init__(self) -> None:
+        if not self.counted_on:
+            object.__setattr__(self, "counted_on", self.chosen)
 
     def figures_before(self) -> tuple[tuple[str, int, int, int], ...]:
         """`figures` as they stood before this claim: what a first placement compares."""
@@ -101,6 +111,7 @@ def claim_request(
         tuple(itertools.islice(ring.walk(key.ring_hash), ROOM_CHOICES)),
         mark if key.streaming else "",
         wait,
+        int(limit) if math.isfinite(limit := picker.follow_limit) else 0,
     )
 
 
@@ -181,25 +192,23 @@ NO_MARK = "-"  # in a reply: no pending prefill to wait for
 def parse_answer(reply: object, listed: Sequence[str]) -> ClaimAnswer:
     """The claim script's reply, one newline-joined string: chosen, depth, followed, the mark to wait
     for (NO_MARK: none), marked, bytes added to the chosen backend's footprint, the listed backends
-    that hold the prefix followed ('0'/'1' each, NO_MARK: none followed); bytes used, oldest use and
-    entries of each listed backend; then pairs
-    of backend and the other replicas' requests in flight there. Raises ValueError when it is not
-    that shape."""
+    that hold the prefix followed ('0'/'1' each, NO_MARK: none followed), the backend the request was
+    counted on, the listed backends at the follow limit (bits as the holders', NO_MARK: no limit);
+    bytes used, oldest use and entries of each listed backend; then pairs of backend and the other
+    replicas' requests in flight there. Raises ValueError when it is not that shape."""
     if isinstance(reply, bytes):
         reply = reply.decode("utf-8", "surrogateescape")
     if not isinstance(reply, str):
         raise ValueError(f"claim reply is {type(reply).__name__}, not a string")
     items = reply.split("\n")
-    head = 7 + 3 * len(listed)
-    if len(items) < head or (len(items) - head) % 2 or not items[0] or not items[3]:
+    head = 9 + 3 * len(listed)
+    if len(items) < head or (len(items) - head) % 2 or not items[0] or not items[3] or not items[7]:
         raise ValueError(f"claim reply has {len(items)} items for {len(listed)} backends")
     # int() raises ValueError on anything but a number
     depth, followed, marked, added = int(items[1]), int(items[2]), int(items[4]), int(items[5])
-    numbers = [int(item) for item in items[7:head]]
-    bits = items[6]
-    if bits != NO_MARK and (len(bits) != len(listed) or bits.strip("01")):
-        raise ValueError("claim reply's holders do not match the backends listed")
-    holders = tuple(b for b, bit in zip(listed, bits, strict=False) if bit == "1") if bits != NO_MARK else ()
+    numbers = [int(item) for item in items[9:head]]
+    holders = _listed_by_bits(items[6], listed, "holders")
+    full = frozenset(_listed_by_bits(items[8], listed, "full backends"))
     figures = tuple(
         (backend, numbers[3 * i], numbers[1 + 3 * i], numbers[2 + 3 * i]) for i, backend in enumerate(listed)
     )
@@ -208,4 +217,15 @@ def parse_answer(reply: object, listed: Sequence[str]) -> ClaimAnswer:
     if any(not backend or count < 0 for backend, count in peers):
         raise ValueError("claim reply names a backend without a name or a count below 0")
     wait_for = "" if items[3] == NO_MARK else items[3]
-    return ClaimAnswer(items[0], depth, followed == 1, figures, wait_for, marked == 1, peers, added, holders)
+    return ClaimAnswer(
+        items[0], depth, followed == 1, figures, wait_for, marked == 1, peers, added, holders, items[7], full
+    )
+
+
+def _listed_by_bits(bits: str, listed: Sequence[str], what: str) -> tuple[str, ...]:
+    """The listed backends whose bit is '1' (NO_MARK: none)."""
+    if bits == NO_MARK:
+        return ()
+    if len(bits) != len(listed) or bits.strip("01"):
+        raise ValueError(f"claim reply's {what} do not match the backends listed")
+    return tuple(b for b, bit in zip(listed, bits, strict=True) if bit == "1")
