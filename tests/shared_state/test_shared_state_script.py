@@ -440,6 +440,50 @@ async def test_a_claim_still_in_flight_is_counted_by_the_claims_written_meanwhil
     await first
 
 
+async def test_a_claim_in_flight_is_counted_where_its_own_script_counted_it(
+    store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A claim whose script ran but whose answer has not come back yet is counted, by the claims its
+    replica writes meanwhile, where the store counted it (here the owner it followed), not where the
+    replica proposed; and a claim sent later whose script ran first is not hidden by the earlier one's
+    write."""
+    monkeypatch.setattr(shared_state, "LOAD_FLUSH_S", 30.0)  # only the claims write
+    a, b = await store(load=LoadTracker()), await store()
+    await claimed(b, claim([1], "Y"))  # Y owns the prefix
+    gate = asyncio.Event()
+    script = a._claim
+
+    async def answer_held_back(**kwargs: Any) -> Any:
+        reply = await script(**kwargs)
+        await gate.wait()
+        return reply
+
+    a._claim = answer_held_back
+    first = asyncio.create_task(claimed(a, claim([1], "X")))
+    await asyncio.sleep(0.2)  # its script ran: it follows Y, counted there; its answer waits
+    a._claim = script
+    second = await claimed(a, claim([1], "X"))
+    assert second.counted_on == "Y"
+    assert await _peers(b, [9]) == {"Y": 2}
+    gate.set()
+    assert (await first).counted_on == "Y"
+
+    async def script_held_back(**kwargs: Any) -> Any:
+        await gate.wait()
+        return await script(**kwargs)
+
+    gate.clear()
+    a._claim = script_held_back
+    early = asyncio.create_task(claimed(a, claim([1], "X")))
+    await asyncio.sleep(0)  # sent (its counts taken) before the next one; its script waits
+    a._claim = script
+    await claimed(a, claim([1], "X"))  # sent after, run first
+    gate.set()
+    await early  # its write comes last
+    # The later claim's request took its lease after the earlier one's counts were taken: counted.
+    assert await _peers(b, [9]) == {"Y": 2}, "the earlier claim's write does not hide the later one"
+
+
 async def _peers(shared: SharedPlacement, blocks: list[int]) -> dict[str, int]:
     return dict((await claimed(shared, claim(blocks, "Z"))).peers)
 

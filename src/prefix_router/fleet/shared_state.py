@@ -17,15 +17,17 @@ replica holds back for that prefill is woken by it, and a lost subscription wake
 (it is pinged while quiet, so one that dies without a word is found lost too).
 Requests in flight: each claim carries this replica's counts (`ld:<replica>`, a hash that expires after
 LOAD_TTL_S; the replicas seen are the set `replicas`), its own request counted where the script sends
-it and the requests whose claims are still awaiting their answer counted where they proposed; the
-answer sums the others'. Releases reach the store with the next claim, or by a background write when
-none came for LOAD_FLUSH_S; a request that goes elsewhere than its claim counted it is written at once.
+it, and the requests whose claims are still awaiting their answer counted where their own claim's
+script counted them (`cl:<replica>`, claim id to backend), or where they proposed while that script
+has not run; the answer sums the others'. Releases reach the store with the next claim, or by a
+background write when none came for LOAD_FLUSH_S; a request that goes elsewhere than its claim
+counted it is written at once.
 
 Keys, under NAMESPACE: `o:<block>` the block's owner; per backend `lru:<backend>` (a sorted set of
 blocks by the shared clock's reading of their last use), `size:<backend>` (bytes of each block);
 `used`, `count` and `cap` (hashes by backend: bytes placed, entries, capacity); `clock`; `p:<block>`,
-`e:<mark>` (a prefill said ended), `ld:<replica>`, `replicas` as above. Scripts touch keys they
-derive, so the store must be one Redis (6.2 or later) or Valkey, not a cluster.
+`e:<mark>` (a prefill said ended), `ld:<replica>`, `cl:<replica>`, `replicas` as above. Scripts touch
+keys they derive, so the store must be one Redis (6.2 or later) or Valkey, not a cluster.
 """
 
 from __future__ import annotations
@@ -135,15 +137,74 @@ end
 local function capacity_of(backend)
   return tonumber(redis.call('HGET', ns .. 'cap', backend) or '') or 1099511627776
 end
--- This replica's requests in flight (pairs of backend and count) replace what it said before.
-local function write_load(me, pairs, ttl_ms)
-  local key = ns .. 'ld:' .. me
+-- A hash's fields and values (flat pairs) replace what it held, to expire after ttl_ms; false if empty.
+local function replace_hash(key, flat, ttl_ms)
   redis.call('DEL', key)
-  if #pairs > 0 then
-    redis.call('HSET', key, unpack(pairs))
-    redis.call('PEXPIRE', key, ttl_ms)
-    redis.call('SADD', ns .. 'replicas', me)
+  if #flat == 0 then return false end
+  redis.call('HSET', key, unpack(flat))
+  redis.call('PEXPIRE', key, ttl_ms)
+  return true
+end
+-- This replica's requests in flight (pairs of backend and count) replace what it said before.
+local function write_load(me, flat, ttl_ms)
+  if replace_hash(ns .. 'ld:' .. me, flat, ttl_ms) then redis.call('SADD', ns .. 'replicas', me) end
+end
+-- Pairs of backend and count as a table, and back (in the order first seen).
+local function tally(flat)
+  local counts, order = {}, {}
+  for k = 1, #flat, 2 do
+    if counts[flat[k]] == nil then order[#order + 1] = flat[k] end
+    counts[flat[k]] = (counts[flat[k]] or 0) + tonumber(flat[k + 1])
   end
+  return counts, order
+end
+local function add(counts, order, backend, n)
+  if counts[backend] == nil then
+    order[#order + 1] = backend
+    counts[backend] = 0
+  end
+  counts[backend] = counts[backend] + n
+end
+local function as_pairs(counts, order)
+  local flat = {}
+  for _, b in ipairs(order) do
+    if counts[b] > 0 then
+      flat[#flat + 1] = b
+      flat[#flat + 1] = counts[b]
+    end
+  end
+  return flat
+end
+-- This replica's claims awaiting their answer (`flight`: pairs of claim id and backend proposed),
+-- added to its counts where the store counted each when its script ran (`cl:<me>`: claim id ->
+-- backend), else where it proposed (its script has not run yet); a claim sent after `upto` whose
+-- script ran first (another connection) is counted too. Any other entry's answer came back before
+-- these counts were taken: its request is among them already. Returns the entries still to keep.
+local function count_flight(me, counts, order, flight, upto)
+  local where = {}
+  local all = redis.call('HGETALL', ns .. 'cl:' .. me)
+  for k = 1, #all, 2 do where[all[k]] = all[k + 1] end
+  local kept = {}
+  for k = 1, #flight, 2 do
+    local id = flight[k]
+    add(counts, order, where[id] or flight[k + 1], 1)
+    if where[id] then
+      kept[#kept + 1] = id
+      kept[#kept + 1] = where[id]
+      where[id] = nil
+    end
+  end
+  for id, backend in pairs(where) do
+    if tonumber(id) > upto then
+      add(counts, order, backend, 1)
+      kept[#kept + 1] = id
+      kept[#kept + 1] = backend
+    end
+  end
+  return kept
+end
+local function keep_flight(me, kept, ttl_ms)
+  replace_hash(ns .. 'cl:' .. me, kept, ttl_ms)
 end
 -- The other replicas' requests in flight, summed per backend (and the backends in the order first
 -- seen). A replica whose counts expired (gone, or idle) leaves the set.
@@ -170,7 +231,8 @@ end
 # ARGV: namespace, proposed backend, its capacity (bytes), max entries, follow table, the blocks,
 # their sizes, the listed backends, the request's mark ('' none), wait ('1': report a pending prefill),
 # marks' lifetime (ms), this replica, its in-flight pairs, their lifetime (ms), the follow limit ('0':
-# none). The reply is one newline-joined string: chosen, depth, followed, the mark to wait for ('-'
+# none), its other claims awaiting their answer (pairs of claim id and backend proposed), this claim's
+# id. The reply is one newline-joined string: chosen, depth, followed, the mark to wait for ('-'
 # none), marked, the bytes this claim added to the chosen backend's footprint, which listed backends
 # also hold the prefix followed (one '0' or '1' each; '-' when none was followed), the backend the
 # request is counted on, which listed backends the fleet's counts put at the follow limit (bits again;
@@ -188,7 +250,10 @@ local follow = ARGV[5]
 local blocks, sizes, listed = split(ARGV[6]), split(ARGV[7]), split(ARGV[8])
 local mark, wait, mark_ttl = ARGV[9], ARGV[10] == '1', ARGV[11]
 if mark ~= '' and redis.call('EXISTS', ns .. 'e:' .. mark) == 1 then mark = '' end
-local me, pairs, load_ttl = ARGV[12], split(ARGV[13]), ARGV[14]
+local me, load_ttl = ARGV[12], ARGV[14]
+local mine, order = tally(split(ARGV[13]))
+local claim_id = ARGV[17]
+local kept = count_flight(me, mine, order, split(ARGV[16]), tonumber(claim_id))
 local n, m = #blocks, #listed
 local owner_keys = {}
 for i = 1, n do owner_keys[i] = ns .. 'o:' .. blocks[i] end
@@ -239,9 +304,7 @@ if followed == 1 and m > 0 then
   end
   holders = table.concat(bits)
 end
-local sums, order = peer_loads(me)
-local mine = {}
-for k = 1, #pairs, 2 do mine[pairs[k]] = tonumber(pairs[k + 1]) end
+local sums, peer_order = peer_loads(me)
 local function fleet_load(b) return (mine[b] or 0) + (sums[b] or 0) end
 local limit = tonumber(ARGV[15]) or 0
 local counted_on, full = chosen, '-'
@@ -260,18 +323,11 @@ if limit > 0 then
     end
   end
 end
-local counted = false
-for k = 1, #pairs, 2 do
-  if pairs[k] == counted_on then
-    pairs[k + 1] = tostring(tonumber(pairs[k + 1]) + 1)
-    counted = true
-  end
-end
-if not counted then
-  pairs[#pairs + 1] = counted_on
-  pairs[#pairs + 1] = '1'
-end
-write_load(me, pairs, load_ttl)
+add(mine, order, counted_on, 1)
+write_load(me, as_pairs(mine, order), load_ttl)
+kept[#kept + 1] = claim_id
+kept[#kept + 1] = counted_on
+keep_flight(me, kept, load_ttl)
 local reply = {chosen, depth, followed, wait_for, marked, added, holders, counted_on, full}
 if m > 0 then
   local used = redis.call('HMGET', ns .. 'used', unpack(listed))
@@ -287,7 +343,7 @@ if m > 0 then
     reply[#reply + 1] = count
   end
 end
-for _, b in ipairs(order) do
+for _, b in ipairs(peer_order) do
   reply[#reply + 1] = b
   reply[#reply + 1] = sums[b]
 end
@@ -343,11 +399,16 @@ end
 return redis.call('PUBLISH', ns .. 'prefilled', mark .. '\\n' .. ARGV[4])
 """
 
-# ARGV: namespace, this replica, its in-flight pairs, their lifetime (ms).
+# ARGV: namespace, this replica, its in-flight pairs, their lifetime (ms), its claims awaiting their
+# answer (pairs of claim id and backend proposed), the last claim id it issued.
 LOAD_SCRIPT = (
     _RECORD
     + """
-write_load(ARGV[2], split(ARGV[3]), ARGV[4])
+local me, ttl = ARGV[2], ARGV[4]
+local counts, order = tally(split(ARGV[3]))
+local kept = count_flight(me, counts, order, split(ARGV[5]), tonumber(ARGV[6]))
+write_load(me, as_pairs(counts, order), ttl)
+keep_flight(me, kept, ttl)
 return 1
 """
 )
@@ -376,6 +437,10 @@ def _count(counts: dict[str, int], backend: str, change: int) -> None:
 
 def _packed(counts: dict[str, int]) -> str:
     return "\n".join(f"{backend}\n{count}" for backend, count in counts.items())
+
+
+def _packed_flight(in_flight: dict[int, str]) -> str:
+    return "\n".join(f"{claim_id}\n{backend}" for claim_id, backend in in_flight.items())
 
 
 class SharedPlacement:
@@ -411,7 +476,10 @@ class SharedPlacement:
         self._marks = itertools.count(1)
         self._sent_counts: dict[str, int] = {}  # what the store last heard of this replica's counts
         self._sent_at = -1e9  # the loop's time when it did
-        self._claiming: dict[str, int] = {}  # claims awaiting their answer, per backend proposed
+        self._claim_ids = itertools.count(1)
+        self._last_claim_id = 0
+        self._in_flight: dict[int, str] = {}  # claims awaiting their answer: id -> backend proposed
+        self._sent_flight: frozenset[int] = frozenset()  # the claims in flight the store last heard of
         self._held_back: dict[str, int] = {}  # requests held for another replica's prefill, per backend
         self._flush_now = asyncio.Event()  # the counts a claim wrote are wrong: write them at once
         # Calls made in the background, not awaited by a request: take-overs, ends of prefills, counts.
@@ -507,7 +575,9 @@ class SharedPlacement:
             # This replica's counts go with it, rather than for LOAD_TTL_S after it.
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(self._timeout_s):
-                    await self._redis.delete(f"{self._namespace}ld:{self.replica}")
+                    await self._redis.delete(
+                        f"{self._namespace}ld:{self.replica}", f"{self._namespace}cl:{self.replica}"
+                    )
         await self._redis.aclose()
         await self._redis.connection_pool.disconnect()
 
@@ -515,8 +585,11 @@ class SharedPlacement:
         """The store's answer, or None (down, slow or wrong: the caller keeps its local decision)."""
         if not self._up:
             return None
-        counts = self._counts()  # with the claims in flight before this one
-        _count(self._claiming, request.proposed, 1)
+        counts = self._counts()
+        flight = _packed_flight(self._in_flight)  # the claims in flight before this one
+        sent_flight = frozenset(self._in_flight)
+        claim_id = self._last_claim_id = next(self._claim_ids)
+        self._in_flight[claim_id] = request.proposed
         mark = request.mark if self._mark_ttl_ms else ""
         args: list[str | int] = [
             self._namespace,
@@ -534,6 +607,8 @@ class SharedPlacement:
             _packed(counts),
             self._load_ttl_ms,
             request.follow_limit,
+            flight,
+            claim_id,
         ]
         answer: ClaimAnswer | None = None
         try:
@@ -544,26 +619,25 @@ class SharedPlacement:
             self._failed(exc)
             return None
         finally:
-            _count(self._claiming, request.proposed, -1)
+            del self._in_flight[claim_id]
             if answer is None and mark:
                 # Timed out, unreadable or cancelled: the claim may have run, or may yet. Its marks
                 # must not hold other replicas' requests for a prefill nobody will say has ended.
                 self.prefilled(mark, request, request.proposed)
         self._timeouts = 0
         counts[answer.counted_on] = counts.get(answer.counted_on, 0) + 1  # as the script wrote them
-        self._sent_counts = counts
+        self._sent_counts, self._sent_flight = counts, sent_flight
         self._sent_at = asyncio.get_running_loop().time()
         return answer
 
     def _counts(self) -> dict[str, int]:
-        """This replica's requests in flight per backend, the ones whose claim is in flight (on the
-        backend each proposed) and the ones held for another replica's prefill (where they will go):
-        they take a lease the moment their answer or the prefill's end comes, and a count written
-        meanwhile, by another claim or the background write, must not leave them out."""
+        """This replica's requests in flight per backend and the ones held for another replica's
+        prefill (where they will go): they take a lease the moment the prefill's end comes, and a
+        count written meanwhile must not leave them out. The ones whose claim awaits its answer go
+        with every write apart (`_in_flight`): the store counts each where its claim counted it."""
         counts = self._load.local_counts() if self._load is not None else {}
-        for pending in (self._claiming, self._held_back):
-            for backend, n in pending.items():
-                counts[backend] = counts.get(backend, 0) + n
+        for backend, n in self._held_back.items():
+            counts[backend] = counts.get(backend, 0) + n
         return counts
 
     def waiting_on(self, backend_id: str, change: int) -> None:
@@ -678,13 +752,24 @@ class SharedPlacement:
             since = loop.time() - self._sent_at
             if since < LOAD_FLUSH_S and not moved:
                 continue  # a claim carried them just now
-            counts = self._counts()
-            if counts == self._sent_counts and (not counts or since < self._load_ttl_s / 3):
+            counts, flight = self._counts(), frozenset(self._in_flight)
+            if (
+                counts == self._sent_counts
+                and flight == self._sent_flight
+                and ((not counts and not flight) or since < self._load_ttl_s / 3)
+            ):
                 continue  # the store has them, and they do not expire yet
-            self._sent_counts, self._sent_at = counts, loop.time()
+            self._sent_counts, self._sent_flight, self._sent_at = counts, flight, loop.time()
             self.load_writes += 1
             self.background_calls += 1
-            args: list[str | int] = [self._namespace, self.replica, _packed(counts), self._load_ttl_ms]
+            args: list[str | int] = [
+                self._namespace,
+                self.replica,
+                _packed(counts),
+                self._load_ttl_ms,
+                _packed_flight(self._in_flight),
+                self._last_claim_id,
+            ]
             await self._call(self._write_load, args)
 
     def take_over(self, takeover: Takeover, request: ClaimRequest, target_capacity_bytes: float) -> None:
