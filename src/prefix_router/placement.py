@@ -77,6 +77,8 @@ class SharedStore(Protocol):
 
     def waiting_on(self, backend_id: str, change: int) -> None: ...
 
+    def touch(self, request: ClaimRequest, backend_id: str, capacity_bytes: float) -> None: ...
+
     def prefilled(self, mark: str, request: ClaimRequest, backend_id: str) -> None: ...
 
     async def wait_prefilled(self, mark: str, timeout_s: float) -> tuple[str, str] | None: ...
@@ -409,8 +411,7 @@ class Placer:
     ) -> tuple[Decision, SharedMark | None]:
         """The decision every replica agrees on (routing/shared_view.py): one bounded round trip to
         the shared store; while it is slow or down, the local decision. Then, when another replica
-        is prefilling the prefix it follows there, the bounded wait for that prefill's end, and a
-        second claim once it ended."""
+        is prefilling the prefix it follows there, the bounded wait for that prefill's end."""
         shared = self._shared
         assert shared is not None
         if not shared.up:
@@ -445,27 +446,23 @@ class Placer:
         self._waits.prefill_waited(outcome, time.perf_counter() - began)
         load = self._backends.load
         picker = self._picker
+        # The owner the store counts full is not gone to either (its answer is the freshest view).
+        full = answer.full
         moved = after_prefill(
-            decision, prefilled_on, candidates.members, lambda b: picker.may_follow(b, candidates, load)
+            decision,
+            prefilled_on,
+            candidates.members,
+            lambda b: b not in full and picker.may_follow(b, candidates, load),
         )
-        # Claimed again, now: the fleet's counts this request was admitted on are a prefill old, and
-        # every replica's waiters go at once; each claim counts its own, so together they keep the
-        # bound. The claim also notes the prefix as just used where it goes (the engine's view).
-        try:
-            again = await self._claim(key, moved, ring, candidates, "", False)
-        except BaseException:
+        if moved is not decision:
+            # What the claim gave the old choice goes where the request goes, and so does its count.
+            takeover = Takeover(decision.backend_id, moved.backend_id, answer.depth)
+            shared.take_over(takeover, request, request.capacity_bytes)
+            shared.counts_moved()
             if mark is not None:
-                mark.release()
-            raise
-        if again is None:
-            if moved is not decision:
-                takeover = Takeover(decision.backend_id, moved.backend_id, answer.depth)
-                shared.take_over(takeover, request, request.capacity_bytes)
-                shared.counts_moved()
-        else:
-            moved = again[2].decision
-        if mark is not None:
-            mark.backend_id = moved.backend_id
+                mark.backend_id = moved.backend_id
+        elif outcome == "ready" and picker.ledgers is not None:
+            shared.touch(request, moved.backend_id, picker.ledgers.capacity(moved.backend_id))
         return moved, mark
 
     async def _claim(

@@ -321,8 +321,8 @@ class RoutingSettings(_Section):
         "",
         description="Replicas share prefix owners, footprints, prefills in progress and in-flight counts "
         "through this Redis/Valkey (redis://host:port/db, rediss://, unix://path): one round trip per "
-        "request (a second for one held for another replica's prefill, once it ended), and local routing "
-        "while it is slow or down. Empty: each replica keeps its own state.",
+        "request at most, and local routing while it is slow or down. Empty: each replica keeps its own "
+        "state.",
     )
     shared_state_timeout_s: float = Field(
         0.05, gt=0, description="Seconds a shared-state reply may take; a later one routes from local state."

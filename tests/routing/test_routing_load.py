@@ -197,6 +197,7 @@ EXT_OPS = st.lists(
         st.tuples(st.just("clear"), st.sampled_from("abc"), st.just(0)),
         st.tuples(st.just("peers"), st.sampled_from("abc"), st.integers(0, 20)),
         st.tuples(st.just("no_peers"), st.sampled_from("abc"), st.just(0)),
+        st.tuples(st.just("peer"), st.sampled_from("abc"), st.integers(0, 20)),
     ),
     max_size=50,
 )
@@ -220,6 +221,8 @@ def test_total_load_is_the_sum_of_loads(ops: list[tuple[str, str, int]]) -> None
             tracker.set_peers([(backend, n), ("z", 0)])
         elif op == "no_peers":
             tracker.clear_peers()
+        elif op == "peer":
+            tracker.set_peer(backend, n)
         assert tracker.total_load() == pytest.approx(sum(tracker.load(b) for b in "abc"))
         assert all(tracker.load(b) >= tracker.inflight(b) for b in "abc")
 
@@ -234,8 +237,12 @@ def test_the_other_replicas_counts_from_the_store_replace_the_scraped_share() ->
     assert load.total_load() == 3 + 7
     load.set_peers([("c", 1)])  # a full picture each time: a backend left out has none
     assert (load.load("a"), load.load("c"), load.total_load()) == (2, 1, 4)
+    load.set_peer("a", 6)  # one backend's figure heard since (a prefill's end there)
+    assert (load.load("a"), load.load("c"), load.total_load()) == (8, 1, 10)
     load.clear_peers()  # the store went away: the scraped figure again
     assert (load.load("a"), load.load("c")) == (9, 0)
+    load.set_peer("c", 5)  # nothing known of the others: one figure alone does not stand for them
+    assert load.load("c") == 0
     for lease in mine:
         lease.release()
     assert load.local_counts() == {}

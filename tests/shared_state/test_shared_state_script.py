@@ -158,6 +158,29 @@ async def test_blocks_being_prefilled_are_not_aged_out_by_the_claims_made_meanwh
     assert await owners(raw, [7, 8, 9, 20]) == ["X"] * 4
 
 
+async def test_a_request_sent_after_a_prefill_touches_its_blocks_and_owns_the_ones_nobody_owns(
+    store: Any, raw: Redis
+) -> None:
+    """While the prefill it waited for ran, other claims aged the prefix out of the footprint (the
+    store pins a prompt only while it is being prefilled, the engine until it ends): when the
+    request goes there, they are the backend's most recent blocks again, and owned by it where
+    nobody owns them."""
+    shared = await store()
+    prefilled = claim([1, 2], "X", capacity=200)
+    await claimed(shared, prefilled)
+    await claimed(shared, claim([3, 4], "X", capacity=200))  # pushes 2, then 1, out of the footprint
+    assert await owners(raw, [1, 2, 3, 4]) == [None, None, "X", "X"]
+    shared.touch(prefilled, "X", 200)
+    await eventually_equal(lambda: owners(raw, [1, 2]), ["X", "X"])
+    assert await raw.zrange(f"{NAMESPACE}lru:X", 0, -1) == ["2", "1"]  # the others made room
+    assert await owners(raw, [3, 4]) == [None, None]
+    # A block another backend owns by now keeps its owner.
+    await claimed(shared, claim([7], "Y"))
+    shared.touch(claim([7], "X"), "X", 200)
+    await eventually_equal(lambda: raw.zrange(f"{NAMESPACE}lru:X", 0, -1), ["1", "7"])
+    assert await owners(raw, [7]) == ["Y"]
+
+
 async def test_footprints_report_each_listed_backend(store: Any) -> None:
     shared = await store()
     await claimed(shared, claim([1, 2], "X", sizes=[256, 512]))

@@ -1,11 +1,10 @@
 """Placement state shared by router replicas, in Redis (or Valkey): prefix owners and footprints,
 pending prefills and requests in flight.
 
-One awaited round trip per request: an EVALSHA of the `claim` script (what it does:
-routing/shared_view.py), bounded by `routing.shared_state_timeout_s`; a request held for another
-replica's prefill claims once more when it ended. A take-over, when the router could not send to the
-shared owner, and the end of a prefill this replica marked are written in the background and never
-awaited. When
+One awaited round trip per request at most: an EVALSHA of the `claim` script (what it does:
+routing/shared_view.py), bounded by `routing.shared_state_timeout_s`. A take-over, when the router
+could not send to the shared owner, the end of a prefill this replica marked, and the prefix a request
+held for a prefill goes to (used now there) are written in the background and never awaited. When
 the store is slow or down the router routes from its own state: each failure is counted
 (`prefix_router_shared_state_errors_total{reason}`), `prefix_router_shared_state_up` drops to 0 with
 one log line, calls stop until a background ping gets an answer again, and one line says so.
@@ -387,17 +386,47 @@ return 1
 # ARGV: namespace, the mark, the request's blocks, the backend it went to, the marks' lifetime (ms).
 # The prefill under that mark ended (its first byte, or the attempt's end): its marks go, and every
 # replica hears the mark and the backend (which the waiters go to: it may not be the owner their claim
-# named) on `prefilled`. `e:<mark>` says it ended, for a claim under that mark that comes after (one
-# whose answer came too late for the replica that sent it): that claim marks nothing.
+# named) on `prefilled`, with every replica's requests in flight there at this moment (pairs of
+# replica and count): the waiters of every replica go at once, and must be admitted on the fleet's
+# counts of now, not on the ones their claims saw before the wait. `e:<mark>` says it ended, for a
+# claim under that mark that comes after (one whose answer came too late for the replica that sent
+# it): that claim marks nothing.
 PREFILLED_SCRIPT = """
-local ns, mark = ARGV[1], ARGV[2]
+local ns, mark, backend = ARGV[1], ARGV[2], ARGV[4]
 redis.call('SET', ns .. 'e:' .. mark, '1', 'PX', ARGV[5])
 for block in string.gmatch(ARGV[3], '[^\\n]+') do
   local key = ns .. 'p:' .. block
   if redis.call('GET', key) == mark then redis.call('DEL', key) end
 end
-return redis.call('PUBLISH', ns .. 'prefilled', mark .. '\\n' .. ARGV[4])
+local message = {mark, backend}
+for _, r in ipairs(redis.call('SMEMBERS', ns .. 'replicas')) do
+  local count = redis.call('HGET', ns .. 'ld:' .. r, backend)
+  if count then
+    message[#message + 1] = r
+    message[#message + 1] = count
+  end
+end
+return redis.call('PUBLISH', ns .. 'prefilled', table.concat(message, '\\n'))
 """
+
+# ARGV: namespace, backend, its capacity, max entries, the blocks, their sizes. A request held for a
+# prefill of its prefix on that backend goes there now: the prefix was just used there, as the
+# engine sees it, and a block that lost its owner while the prefill ran (aged out by the claims
+# meanwhile: the store pins only blocks still pending, not prompts running) is owned by that backend
+# again.
+TOUCH_SCRIPT = (
+    _RECORD
+    + """
+local backend = ARGV[2]
+local blocks, sizes = split(ARGV[5]), split(ARGV[6])
+redis.call('HSET', ns .. 'cap', backend, ARGV[3])
+record(backend, tonumber(ARGV[3]), tonumber(ARGV[4]), blocks, sizes)
+for i = 1, #blocks do
+  redis.call('SET', ns .. 'o:' .. blocks[i], backend, 'NX')
+end
+return 1
+"""
+)
 
 # ARGV: namespace, this replica, its in-flight pairs, their lifetime (ms), its claims awaiting their
 # answer (pairs of claim id and backend proposed), the last claim id it issued.
@@ -501,7 +530,8 @@ class SharedPlacement:
         self._takeover = self._redis.register_script(TAKEOVER_SCRIPT)
         self._prefilled = self._redis.register_script(PREFILLED_SCRIPT)
         self._write_load = self._redis.register_script(LOAD_SCRIPT)
-        self._scripts = (self._claim, self._takeover, self._prefilled, self._write_load)
+        self._touch = self._redis.register_script(TOUCH_SCRIPT)
+        self._scripts = (self._claim, self._takeover, self._prefilled, self._write_load, self._touch)
         self._up = False
         self._timeouts = 0
         self._said: bool | None = None  # the state the last log line announced
@@ -651,6 +681,21 @@ class SharedPlacement:
         than after LOAD_FLUSH_S, while the others would see the backend it goes to one short."""
         self._flush_now.set()
 
+    def touch(self, request: ClaimRequest, backend_id: str, capacity_bytes: float) -> None:
+        """The request, held for a prefill of its prefix on `backend_id`, goes there now: its blocks
+        are used now there, and owned by it where nobody owns them (background)."""
+        if not self._up:
+            return
+        args: list[str | int] = [
+            self._namespace,
+            backend_id,
+            int(capacity_bytes),
+            self._max_entries,
+            "\n".join(map(str, request.blocks)),
+            "\n".join(map(str, request.sizes)),
+        ]
+        self._background(self._touch, args)
+
     def prefilled(self, mark: str, request: ClaimRequest, backend_id: str) -> None:
         """The prefill under `mark` on `backend_id` ended: its marks go and the replicas hear it
         (background)."""
@@ -719,7 +764,17 @@ class SharedPlacement:
 
     def _heard(self, data: object) -> None:
         text = data.decode("utf-8", "replace") if isinstance(data, bytes) else str(data)
-        mark, _, backend = text.partition("\n")
+        mark, _, rest = text.partition("\n")
+        backend, _, counts = rest.partition("\n")
+        if self._load is not None and self._up:
+            # The others' requests in flight where this prefill ended, as of its end: what this
+            # replica's waiters, all woken now, are admitted on there.
+            items = counts.split("\n") if counts else []
+            with contextlib.suppress(ValueError):
+                others = sum(
+                    int(items[i + 1]) for i in range(0, len(items) - 1, 2) if items[i] != self.replica
+                )
+                self._load.set_peer(backend, others)
         self._ended[mark] = backend
         if len(self._ended) > ENDED_KEPT:
             self._ended.popitem(last=False)

@@ -138,6 +138,16 @@ class LoadTracker:
         self._peers_total = sum(peers.values())
         self._peers_known = True
 
+    def set_peer(self, backend_id: str, count: int) -> None:
+        """The other replicas' requests in flight on one backend, heard since the last set_peers (a
+        prefill's end): replaces that backend's figure, while the others' are known at all."""
+        if not self._peers_known:
+            return
+        old = self._peers.pop(backend_id, 0)
+        if count > 0:
+            self._peers[backend_id] = count
+        self._peers_total += max(count, 0) - old
+
     def clear_peers(self) -> None:
         """The other replicas' counts are no longer known (the store is down): back to the scraped
         signal, or local counts only."""
