@@ -32,7 +32,6 @@ from prefix_router.routing.ring import HashRing
 from prefix_router.routing.shared_view import (
     ClaimAnswer,
     ClaimRequest,
-    Resolution,
     Takeover,
     after_prefill,
     claim_request,
@@ -414,16 +413,40 @@ class Placer:
         is prefilling the prefix it follows there, the bounded wait for that prefill's end."""
         shared = self._shared
         assert shared is not None
+        load = self._backends.load
         if not shared.up:
-            self._backends.load.clear_peers()
+            load.clear_peers()
             return local, None
+        picker = self._picker
         holds = self._holds is not None
-        mark_id = shared.new_mark() if holds else ""
-        claimed = await self._claim(key, local, ring, candidates, mark_id, holds and shared.can_wait)
-        if claimed is None:
+        request = claim_request(
+            key, local, picker, ring, shared.new_mark() if holds else "", holds and shared.can_wait
+        )
+        answer = await shared.claim(request)
+        if answer is None:
+            load.clear_peers()
             return local, None
-        request, answer, resolution = claimed
+        load.set_peers(answer.peers)
+        picker.shared_footprints(answer.figures_before())
+        if stale_follow(local, answer):
+            picker.forget_placed(key, local.backend_id, answer.depth)
+        full = answer.full
+
+        def follows(backend_id: str) -> bool:
+            # An owner the store's count of the fleet puts at the limit is full, whatever this
+            # replica's own view says: every replica must see it so.
+            return backend_id not in full and picker.may_follow(backend_id, candidates, load)
+
+        resolution = resolve(
+            local, answer, candidates.members, follows, lambda: picker.pick(key, ring, candidates, load)
+        )
+        if answer.added and resolution.takeover is None:  # else the take-over moves those bytes
+            picker.shared_footprints(answer.figures)
+        if resolution.takeover is not None:
+            shared.take_over(resolution.takeover, request, request.capacity_bytes)
         decision = resolution.decision
+        if decision.backend_id != answer.counted_on:
+            shared.counts_moved()
         mark = SharedMark(shared, request.mark, request, decision.backend_id) if answer.marked else None
         if not resolution.wait_for:
             return decision, mark
@@ -444,16 +467,7 @@ class Placer:
             return decision, mark
         outcome, prefilled_on = ended
         self._waits.prefill_waited(outcome, time.perf_counter() - began)
-        load = self._backends.load
-        picker = self._picker
-        # The owner the store counts full is not gone to either (its answer is the freshest view).
-        full = answer.full
-        moved = after_prefill(
-            decision,
-            prefilled_on,
-            candidates.members,
-            lambda b: b not in full and picker.may_follow(b, candidates, load),
-        )
+        moved = after_prefill(decision, prefilled_on, candidates.members, follows)
         if moved is not decision:
             # What the claim gave the old choice goes where the request goes, and so does its count.
             takeover = Takeover(decision.backend_id, moved.backend_id, answer.depth)
@@ -464,42 +478,6 @@ class Placer:
         elif outcome == "ready" and picker.ledgers is not None:
             shared.touch(request, moved.backend_id, picker.ledgers.capacity(moved.backend_id))
         return moved, mark
-
-    async def _claim(
-        self, key: RoutingKey, local: Decision, ring: HashRing, candidates: Candidates, mark: str, wait: bool
-    ) -> tuple[ClaimRequest, ClaimAnswer, Resolution] | None:
-        """One claim and what it resolves to, with the take-over and the counts it moves written
-        (in the background); None when the store did not answer (the caller keeps `local`)."""
-        shared = self._shared
-        assert shared is not None
-        load = self._backends.load
-        picker = self._picker
-        request = claim_request(key, local, picker, ring, mark, wait)
-        answer = await shared.claim(request)
-        if answer is None:
-            load.clear_peers()
-            return None
-        load.set_peers(answer.peers)
-        picker.shared_footprints(answer.figures_before())
-        if stale_follow(local, answer):
-            picker.forget_placed(key, local.backend_id, answer.depth)
-        # An owner the store's count of the fleet (this replica's claims in flight among it) puts at
-        # the limit is full, whatever this replica's own view says: every replica must see it so.
-        full = answer.full
-        resolution = resolve(
-            local,
-            answer,
-            candidates.members,
-            lambda b: b not in full and picker.may_follow(b, candidates, load),
-            lambda: picker.pick(key, ring, candidates, load),
-        )
-        if answer.added and resolution.takeover is None:  # else the take-over moves those bytes
-            picker.shared_footprints(answer.figures)
-        if resolution.takeover is not None:
-            shared.take_over(resolution.takeover, request, request.capacity_bytes)
-        if resolution.decision.backend_id != answer.counted_on:
-            shared.counts_moved()
-        return request, answer, resolution
 
     async def _wait_for_prefill(self, ticket: int) -> None:
         assert self._holds is not None

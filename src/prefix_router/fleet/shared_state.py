@@ -309,7 +309,8 @@ local limit = tonumber(ARGV[15]) or 0
 local counted_on, full = chosen, '-'
 if limit > 0 then
   -- Which listed backends the fleet's counts put at the limit (this replica's claims still in flight
-  -- counted where they proposed): no replica follows an owner there, whatever its own counts say.
+  -- among them, as count_flight placed them): no replica follows an owner there, whatever its own
+  -- counts say.
   local bits = {}
   for j = 1, m do bits[j] = fleet_load(listed[j]) + 1 > limit and '1' or '0' end
   full = table.concat(bits)
