@@ -334,6 +334,42 @@ async def test_an_http09_request_line_is_refused_at_once_wherever_it_comes_on_th
     assert [s.path for s in backend.seen] == ([] if before == "fresh" else ["/a"])
 
 
+@pytest.mark.parametrize("head_apart", [False, True], ids=["head-in-the-same-read", "head-read-before"])
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        pytest.param([b"a:bGET /x\r\n"], id="whole"),
+        pytest.param([b"a:b", b"GET /x\r\n"], id="body-then-line"),
+        pytest.param([b"a:bGE", b"T /x\r\n"], id="split-in-the-method"),
+        pytest.param([b"a:bGET /x", b"\r\n"], id="split-before-the-line-end"),
+    ],
+)
+async def test_an_http09_line_right_behind_a_body_ending_like_a_field_is_refused_at_once(
+    fake_backends: MakeBackends, router: MakeRouter, pieces: list[bytes], head_apart: bool
+) -> None:
+    """A body framed by its length need not end with a line end, so the next request line can share
+    its line with the body's last bytes (`a:b` + `GET /x`), which read like a field: that bare line
+    must still be refused at once, however the reads split it, not wait out the head timeout."""
+    backend, r = await started(fake_backends, router, header_timeout_s=60.0)
+    post = request("POST", "/a", b"a:b")[: -len(b"a:b")]
+    async with connection(r.port) as (reader, writer):
+        if head_apart:
+            writer.write(post)
+            await writer.drain()
+            await asyncio.sleep(0.05)
+        else:
+            pieces = [post + pieces[0], *pieces[1:]]
+        for piece in pieces:
+            writer.write(piece)
+            await writer.drain()
+            await asyncio.sleep(0.05)  # each piece its own read
+        assert (await read_response(reader)).json()["path"] == "/a"
+        refused = await read_response(reader, timeout_s=10)  # well before the 60 s head timeout
+        assert refused.status == 400 and refused.json()["error"]["code"] == "bad_request"
+        assert await closed_by_peer(reader)
+    assert [(s.path, s.body) for s in backend.seen] == [("/a", b"a:b")]
+
+
 @pytest.mark.parametrize("target", ["/", "/x"])
 async def test_an_http09_line_after_a_split_request_for_the_same_target_is_refused_at_once(
     fake_backends: MakeBackends, router: MakeRouter, target: str

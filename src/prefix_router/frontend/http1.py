@@ -297,6 +297,7 @@ class HttpProtocol(asyncio.Protocol):
         self._upgraded = False  # a CONNECT: nothing after it is HTTP
         self._held = bytearray()  # bytes of a head (or trailer) field not fed yet: no line end seen
         self._line_tail = b""  # the open request line's bytes at the end of the last feed, if any
+        self._line_opens = False  # ... and the request began in them (perhaps behind a body's last bytes)
         # The request whose request line passed its checks, by the identity of its field list (each
         # message gets a new one; its target would not do: one-byte bytes objects are shared).
         self._line_checked: list[tuple[bytes, bytes]] | None = None
@@ -311,6 +312,7 @@ class HttpProtocol(asyncio.Protocol):
         self._in_body = False
         self._maybe_trailer = False  # after a chunk-size line and before its data: perhaps trailers
         self._chunked = False
+        self._length = -1  # the request's Content-Length (-1: none)
         self._reserved = 0  # body budget held by the request being parsed
         self._awaiting_budget = False
         self._budget_ex: Http1Exchange | None = None  # a whole request that waits for body budget
@@ -338,6 +340,17 @@ class HttpProtocol(asyncio.Protocol):
         if self._rejected or self._upgraded:
             self._discard(len(data))
             return
+        if self._in_body and self._length > 0:
+            left = self._length - self._body_size
+            if 0 < left < len(data):
+                # A body framed by its length ends inside this read: what follows is fed as a read
+                # of its own, so the next request line is read from its own first byte (the checks
+                # on it read whole lines, and a body need not end with a line end).
+                self._feed(data[:left])
+                data = data[left:]
+                if self._rejected:
+                    self._discard(len(data))
+                    return
         if self._in_head or self._maybe_trailer:
             # A field is complete only at its line end. Bytes without one are held (amortised, and
             # counted) rather than fed, so the parser's own per-field buffer is copied once per line,
@@ -359,6 +372,7 @@ class HttpProtocol(asyncio.Protocol):
 
     def _feed(self, data: bytes) -> None:
         tail = self._line_tail
+        message = self._headers  # each message gets a new list: a new one began in this feed if it changes
         if tail or b"RTSP/" in data or b"ICE/" in data:
             if not self._feed_lines(data):
                 return
@@ -368,8 +382,10 @@ class HttpProtocol(asyncio.Protocol):
             # The request line (or the first field line after it) is still open: rare, a head split
             # across reads. Its start is kept for _feed_lines, in case a protocol name is split too.
             self._line_tail = data[data.rfind(b"\n") + 1 :]
+            began = self._headers is not message
+            self._line_opens = False
             if self._url:
-                self._check_http09(data, tail)
+                self._line_opens = self._check_http09(data, tail, began) and began
 
     def _parse(self, data: bytes, rest: bytes = b"") -> bool:
         """Feed the parser; False when it stopped (an error, or an Upgrade offer handed on with `rest`,
@@ -392,16 +408,24 @@ class HttpProtocol(asyncio.Protocol):
         either name, or a head split across reads, come here, so the usual request costs two byte
         scans."""
         tail, self._line_tail = self._line_tail, b""
+        tail_opens, self._line_opens = self._line_opens, False
         start, size = 0, len(data)
         while start < size and not self._rejected:
             end = data.find(b"\n", start) + 1 or size
             piece = data[start:end]
-            url = self._url
+            url, message = self._url, self._headers
             if not self._parse(piece, data[end:]):
                 return False
             if piece[-1:] == b"\n" and self._in_head and self._head_size == len(self._url):
                 line = tail + piece if start == 0 else piece
-                if self._ends_request_line(line, self._url is not url) and not self._request_line_ok(line):
+                # The request began in this line (in this piece, or in the kept start of it), perhaps
+                # behind a body's last bytes: this line is its request line, from its method on.
+                opens = self._headers is not message or (start == 0 and tail_opens)
+                at = line.rfind(self._request_opening()) if opens else -1
+                if at > 0 and self._line_checked is not self._headers:
+                    if not self._request_line_ok(line[at:]):
+                        return False
+                elif self._ends_request_line(line, self._url is not url) and not self._request_line_ok(line):
                     return False
             start = end
         return True
@@ -410,8 +434,8 @@ class HttpProtocol(asyncio.Protocol):
         """Is this complete line, fed whole in a head with no field counted, its request line? It is
         that or the first field line: httptools reports a field only once the next one begins. A line
         in which the target grew holds the request line's end; otherwise one that reads as a field
-        (a name, then a colon) is taken for one, as is a request line behind a body's last bytes that
-        looks like a field (`a:bGET /x`), left to the end of the head."""
+        (a name, then a colon) is taken for one. (A line the request began in, behind a body's last
+        bytes that look like a field, `a:bGET /x`, is known for its request line before this.)"""
         if self._line_checked is self._headers:
             return False
         return target_grew or not _reads_as_field(line)
@@ -431,27 +455,45 @@ class HttpProtocol(asyncio.Protocol):
             return False
         return True
 
-    def _check_http09(self, data: bytes, tail: bytes) -> None:
+    def _check_http09(self, data: bytes, tail: bytes, began: bool) -> bool:
         """A head still open, with no field counted: has its request line ended without a protocol?
         llhttp gives no sign before the head ends (it reports 0.0 on a fresh parser, and the previous
         message's version on a kept-alive one), so the line itself is read: the last complete line,
         or the one before when the last reads as a field. Where the two readings could differ, the
         end of the head decides. `tail` is what an earlier read brought of the last line (a head's
-        segments without a line end are held, so a line is split in two at most)."""
+        segments without a line end are held, so a line is split in two at most).
+
+        `began`: the request began in this read, perhaps right behind a body that did not end with a
+        line end, whose last bytes then start the request line's line. True when the request line may
+        still be open at the end of `data` (its start is then in what _feed keeps of the last line)."""
         url = self._url
         if self._line_checked is self._headers:
-            return
+            return False
         end = data.rfind(b"\n")
         if end < 0 or url in data[end + 1 :]:
-            return  # the request line is still open (or may be)
+            return True  # the request line is still open (or may be)
         start = data.rfind(b"\n", 0, end) + 1
         line = data[start:end] if start else tail + data[:end]
         if _reads_as_field(line):
-            if not start or b" " + url in line:
-                return  # the request line is in an earlier read, or this may be it behind a body
             before = data.rfind(b"\n", 0, start - 1) + 1
+            if began:
+                # The request line is this line, behind a body's last bytes, or the one before it
+                # (this line is then its first field): where the one before cannot be it, this is.
+                opening = self._request_opening()
+                if not start or opening not in data[before : start - 1]:
+                    at = line.rfind(opening)
+                    if at > 0:
+                        self._request_line_ok(line[at:])
+                return False
+            if not start or b" " + url in line:
+                return False  # the request line is in an earlier read, or this may be it behind a body
             line = data[before : start - 1] if before else tail + data[: start - 1]
         self._request_line_ok(line)
+        return False
+
+    def _request_opening(self) -> bytes:
+        """What the request line being parsed begins with: its method and target (no space within)."""
+        return self._parser.get_method() + b" " + self._url
 
     def _upgrade(self, rest: bytes) -> None:
         """llhttp stopped at a request offering Upgrade (h2c, websocket). The router never switches
@@ -600,6 +642,7 @@ class HttpProtocol(asyncio.Protocol):
         if declared > limit:
             self._reject(BodyTooLarge(f"request body of {declared} bytes is over the limit of {limit} bytes"))
             return
+        self._length = declared
         if declared > 0 or self._chunked:
             self._in_body = True
             self._last_body = self._loop.time()
