@@ -233,3 +233,55 @@ async def test_a_request_held_for_a_prefill_is_placed_on_the_fleet_as_it_stands_
 async def _hget(raw: Redis, key: str, field: str | None) -> str | None:
     value = await (raw.get(key) if field is None else raw.hget(key, field))
     return value.decode() if isinstance(value, bytes) else value
+
+
+async def test_the_requests_every_replica_holds_for_a_prefill_count_where_it_ended(
+    fake_backends: Any, router: Any, redis_server: RedisServer
+) -> None:
+    """The waiters of every replica go at once when a prefill ends. Where it ended elsewhere than the
+    owner their claims named (its own request moved), they were counted on that owner while held: the
+    end must count the other replicas' waiters where they now go, or each replica admits its own as if
+    it were the only one, past max_inflight. Here one other replica has three requests in flight
+    there and another holds one for the same prefill: with max_inflight 4 that backend is full."""
+    backends = await fake_backends(3)
+    owner, prefilled_on = backends[0].url, backends[1].url
+    (held_router,) = await _routers(router, backends, redis_server.url, 1, balancing={"max_inflight": 4})
+    held_shared = held_router.app.shared
+    assert held_shared is not None
+    prefilling = SharedPlacement(redis_server.url, 2.0, CollectorRegistry(), prefill_wait_s=5.0)
+    holding = SharedPlacement(redis_server.url, 2.0, CollectorRegistry(), prefill_wait_s=5.0)
+    busy_load = LoadTracker()
+    busy = SharedPlacement(redis_server.url, 2.0, CollectorRegistry(), load=busy_load)
+    raw = Redis.from_url(redis_server.url, decode_responses=True)
+    others = (prefilling, holding, busy)
+    tasks = [asyncio.create_task(shared.run()) for shared in others]
+    try:
+        await eventually(lambda: all(shared.up for shared in others))
+        key = extract_key("/stream", orjson.dumps(_body("first question", True)), None, KeyConfig())
+        blocks, sizes = key.blocks, block_sizes(key.ends)[: len(key.blocks)]
+        first = ClaimRequest(blocks, sizes, "1" * len(blocks), owner, 1e12, (), "other:1")
+        assert (await prefilling.claim(first)) is not None  # owner, prefill pending under other:1
+        # Another replica holds a request for that prefill: counted on the owner meanwhile.
+        waits = await holding.claim(ClaimRequest(blocks, sizes, "1" * len(blocks), owner, 1e12, (), "", True))
+        assert waits is not None and waits.wait_for == "other:1"
+        holding.waiting_on(owner, 1)
+        for _ in range(3):
+            busy_load.acquire(prefilled_on)
+        assert (await busy.claim(ClaimRequest((99,), (100,), "1", backends[2].url, 1e12, ()))) is not None
+        async with aiohttp.ClientSession() as s:
+            held = asyncio.create_task(_stream(s, held_router, "second question"))
+            ld = f"{NAMESPACE}ld:{held_shared.replica}"
+            await eventually_equal(lambda: _hget(raw, ld, owner), "1")  # held, counted on the owner
+            assert sum(len(b.seen) for b in backends) == 0
+            prefilling.take_over(Takeover(owner, prefilled_on, 0), first, 1e12)
+            await eventually_equal(lambda: _hget(raw, f"{NAMESPACE}o:{blocks[0]}", None), prefilled_on)
+            prefilling.prefilled("other:1", first, prefilled_on)
+            home = await held
+        assert home != prefilled_on, "three in flight there and the other replica's waiter going there: full"
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for shared in others:
+            await shared.close()
+        await raw.aclose()

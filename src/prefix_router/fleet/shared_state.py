@@ -25,8 +25,9 @@ counted it is written at once.
 Keys, under NAMESPACE: `o:<block>` the block's owner; per backend `lru:<backend>` (a sorted set of
 blocks by the shared clock's reading of their last use), `size:<backend>` (bytes of each block);
 `used`, `count` and `cap` (hashes by backend: bytes placed, entries, capacity); `clock`; `p:<block>`,
-`e:<mark>` (a prefill said ended), `ld:<replica>`, `cl:<replica>`, `replicas` as above. Scripts touch
-keys they derive, so the store must be one Redis (6.2 or later) or Valkey, not a cluster.
+`e:<mark>` (a prefill said ended), `w:<mark>` (requests held for it, per replica), `ld:<replica>`,
+`cl:<replica>`, `replicas` as above. Scripts touch keys they derive, so the store must be one Redis
+(6.2 or later) or Valkey, not a cluster.
 """
 
 from __future__ import annotations
@@ -279,6 +280,15 @@ if wait and followed == 1 then
     end
   end
 end
+if wait_for ~= '-' then
+  -- This request is held for that prefill, counted on the owner meanwhile; the prefill may end on
+  -- another backend (its request moved), and every replica's waiters go there at once: its end
+  -- counts them there (PREFILLED_SCRIPT).
+  local waiters = ns .. 'w:' .. wait_for
+  redis.call('HSETNX', waiters, '=', chosen)
+  redis.call('HINCRBY', waiters, me, 1)
+  redis.call('PEXPIRE', waiters, mark_ttl)
+end
 local unowned, marked = {}, 0
 for i = 1, n do
   if not owners[i] then
@@ -388,8 +398,10 @@ return 1
 # The prefill under that mark ended (its first byte, or the attempt's end): its marks go, and every
 # replica hears the mark and the backend (which the waiters go to: it may not be the owner their claim
 # named) on `prefilled`, with every replica's requests in flight there at this moment (pairs of
-# replica and count): the waiters of every replica go at once, and must be admitted on the fleet's
-# counts of now, not on the ones their claims saw before the wait. `e:<mark>` says it ended, for a
+# replica and count, each replica's requests held for this prefill among them when it ended
+# elsewhere than the owner they are counted on meanwhile, `w:<mark>`): the waiters of every replica go
+# at once, and must be admitted on the fleet's counts of now, not on the ones their claims saw before
+# the wait. `e:<mark>` says it ended, for a
 # claim under that mark that comes after (one whose answer came too late for the replica that sent
 # it): that claim marks nothing.
 PREFILLED_SCRIPT = """
@@ -399,10 +411,20 @@ for block in string.gmatch(ARGV[3], '[^\\n]+') do
   local key = ns .. 'p:' .. block
   if redis.call('GET', key) == mark then redis.call('DEL', key) end
 end
+-- The requests held for this prefill (per replica; `=`: the owner they are counted on while held)
+-- go where it ended: where that is not the owner, they count there too.
+local waiters = ns .. 'w:' .. mark
+local flat = redis.call('HGETALL', waiters)
+redis.call('DEL', waiters)
+local held, held_on = {}, backend
+for k = 1, #flat, 2 do
+  if flat[k] == '=' then held_on = flat[k + 1] else held[flat[k]] = tonumber(flat[k + 1]) end
+end
 local message = {mark, backend}
 for _, r in ipairs(redis.call('SMEMBERS', ns .. 'replicas')) do
-  local count = redis.call('HGET', ns .. 'ld:' .. r, backend)
-  if count then
+  local count = tonumber(redis.call('HGET', ns .. 'ld:' .. r, backend) or '0')
+  if held_on ~= backend then count = count + (held[r] or 0) end
+  if count > 0 then
     message[#message + 1] = r
     message[#message + 1] = count
   end
