@@ -222,12 +222,17 @@ async def test_a_request_held_for_a_prefill_is_placed_on_the_fleet_as_it_stands_
             home = await held
         assert home != prefilled_on, "the backend the prefill ended on is at max_inflight by now"
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for shared in (prefilling, busy):
-            await shared.close()
-        await raw.aclose()
+        await _stop(tasks, (prefilling, busy), raw)
+
+
+async def _stop(tasks: list[asyncio.Task[None]], placements: tuple[SharedPlacement, ...], raw: Redis) -> None:
+    """End the stand-in replicas' background tasks, then close them and the raw connection."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for shared in placements:
+        await shared.close()
+    await raw.aclose()
 
 
 async def _hget(raw: Redis, key: str, field: str | None) -> str | None:
@@ -279,9 +284,4 @@ async def test_the_requests_every_replica_holds_for_a_prefill_count_where_it_end
             home = await held
         assert home != prefilled_on, "three in flight there and the other replica's waiter going there: full"
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for shared in others:
-            await shared.close()
-        await raw.aclose()
+        await _stop(tasks, others, raw)

@@ -401,9 +401,8 @@ return 1
 # replica and count, each replica's requests held for this prefill among them when it ended
 # elsewhere than the owner they are counted on meanwhile, `w:<mark>`): the waiters of every replica go
 # at once, and must be admitted on the fleet's counts of now, not on the ones their claims saw before
-# the wait. `e:<mark>` says it ended, for a
-# claim under that mark that comes after (one whose answer came too late for the replica that sent
-# it): that claim marks nothing.
+# the wait. `e:<mark>` says it ended, for a claim under that mark that comes after (one whose answer
+# came too late for the replica that sent it): that claim marks nothing.
 PREFILLED_SCRIPT = """
 local ns, mark, backend = ARGV[1], ARGV[2], ARGV[4]
 redis.call('SET', ns .. 'e:' .. mark, '1', 'PX', ARGV[5])
