@@ -416,6 +416,7 @@ class Placer:
         load = self._backends.load
         if not shared.up:
             load.clear_peers()
+            self._picker.shared_held(())
             return local, None
         picker = self._picker
         holds = self._holds is not None
@@ -425,8 +426,10 @@ class Placer:
         answer = await shared.claim(request)
         if answer is None:
             load.clear_peers()
+            picker.shared_held(())
             return local, None
         load.set_peers(answer.peers)
+        picker.shared_held(answer.peers_held)
         picker.shared_footprints(answer.figures_before())
         if stale_follow(local, answer):
             picker.forget_placed(key, local.backend_id, answer.depth)

@@ -88,6 +88,7 @@ class RouterApp:
                 settings.routing.shared_state_timeout_s,
                 self.registry,
                 load=self.backends.load,
+                held=self.picker.held_by_backend,
                 prefill_wait_s=settings.routing.prefill_wait_s,
             )
         elif settings.routing.shared_state_url:

@@ -308,9 +308,19 @@ def test_a_cache_held_whole_by_requests_in_flight_ranks_last_for_a_new_prefix() 
     assert ledgers.rank("free") < ledgers.rank("pinned") < (2, 0.0)
 
 
-def test_a_new_prefix_goes_where_it_can_be_admitted_now() -> None:
+@pytest.mark.parametrize(
+    "held_by",
+    [
+        pytest.param("this-replica", id="held-here"),
+        pytest.param("this-replica-shared-figures", id="held-here-shared-figures"),
+        pytest.param("another-replica", id="held-by-another-replica"),
+    ],
+)
+def test_a_new_prefix_goes_where_it_can_be_admitted_now(held_by: str) -> None:
     """A cache with room left on paper but held by a long prompt in flight cannot take another
-    prompt before that one ends: a full cache with nothing held takes it instead."""
+    prompt before that one ends: a full cache with nothing held takes it instead. With shared
+    placement state the ranks come from the fleet's footprints, and the bytes held are this
+    replica's and those the store says the other replicas' requests hold."""
     ring, cands = fleet(2)
     picker = Picker(BalanceConfig())
     busy, free = cands.ids
@@ -324,7 +334,13 @@ def test_a_new_prefix_goes_where_it_can_be_admitted_now() -> None:
     capacity = placed_bytes(long_prompt) + placed_bytes(prompt) // 2
     for backend in cands.ids:
         picker.set_capacity(backend, capacity)
-    picker.chosen(long_prompt, busy)  # in flight
+    if held_by != "this-replica":  # the fleet's figures: the long prompt alone on busy, free full
+        long_entries = len(long_prompt.blocks)
+        picker.shared_footprints([(busy, placed_bytes(long_prompt), 1, long_entries), (free, capacity, 2, 9)])
+    if held_by == "another-replica":
+        picker.shared_held([(busy, placed_bytes(long_prompt))])
+    else:
+        picker.chosen(long_prompt, busy)  # in flight here
     for g in (72, 73, 74):  # served and done: evictable
         done = chat(("system", text(g, 3000)), ("user", "q"))
         picker.chosen(done, free)
@@ -335,6 +351,10 @@ def test_a_new_prefix_goes_where_it_can_be_admitted_now() -> None:
     decision = picker.pick(prompt, ring, cands, LoadTracker())
     assert decision is not None
     assert (decision.backend_id, decision.branch) == (free, Branch.CACHE_ROOM)
+    if held_by == "another-replica":  # that request ended: the store's next answer holds nothing there
+        picker.shared_held([])
+        again = picker.pick(prompt, ring, cands, LoadTracker())
+        assert again is not None and again.backend_id == busy
 
 
 @settings(max_examples=200)

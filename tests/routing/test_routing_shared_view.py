@@ -154,6 +154,8 @@ def test_the_answer_becomes_the_decision(
         pytest.param(b"X\n1\n0\n-\n0\n0\n-\nX\n-\n1\n2\n3\nB", id="a-peer-without-a-count"),
         pytest.param(b"X\n1\n0\n-\n0\n0\n-\nX\n-\n1\n2\n3\nB\n-2", id="a-negative-peer-count"),
         pytest.param(b"X\n1\n0\n-\n0\n0\n-\nX\n-\n1\n2\n3\nB\nlots", id="a-peer-count-not-a-number"),
+        pytest.param(b"X\n1\n0\n-\n0\n0\n-\nX\n-\n1\n2\n3\nheld \n5", id="bytes-held-on-no-backend"),
+        pytest.param(b"X\n1\n0\n-\n0\n0\n-\nX\n-\n1\n2\n3\nheld B\n-5", id="bytes-held-below-0"),
         pytest.param(b"X\n1\n1\n-\n0\n0\n01\nX\n-\n1\n2\n3", id="holders-for-two-of-one-listed"),
         pytest.param(b"X\n1\n1\n-\n0\n0\n2\nX\n-\n1\n2\n3", id="holders-not-bits"),
         pytest.param(b"X\n1\n0\n-\n0\n0\n-\n\n-\n1\n2\n3", id="counted-nowhere"),
@@ -180,6 +182,9 @@ def test_a_reply_parses() -> None:
     )
     assert (counted_on_holder.chosen, counted_on_holder.counted_on) == ("A", "B")
     assert counted_on_holder.full == frozenset()
+    with_held = parse_answer(b"A\n1\n0\n-\n0\n0\n-\nA\n-\n0\n1\n1\nB\n2\nheld B\n700\nheld A\n5", ["A"])
+    assert with_held.peers == (("B", 2),)
+    assert with_held.peers_held == (("B", 700), ("A", 5))
     owner_full = parse_answer(b"A\n2\n1\n-\n0\n0\n011\nB\n101\n0\n1\n1\n5\n6\n1\n7\n8\n1", ["A", "B", "C"])
     assert owner_full.full == {"A", "C"}
 

@@ -414,6 +414,30 @@ async def test_each_claim_carries_its_replicas_counts_and_answers_the_others(sto
     assert a.load_writes >= 1
 
 
+async def test_each_claim_carries_the_bytes_its_replicas_requests_hold_and_answers_the_others(
+    store: Any,
+) -> None:
+    """Replicas placing new prompts at once must see the KV room each other's requests take."""
+    held_by_a = {"X": 5000}
+    a = await store(load=LoadTracker(), held=lambda: dict(held_by_a))
+    b = await store(load=LoadTracker())
+    first = await claimed(a, claim([1, 2], "X", sizes=[300, 200]))
+    assert first.peers_held == ()
+    answer = await claimed(b, claim([9], "Y"))
+    # What A holds as it said, and what its claim just placed on X, before A's own figure has it.
+    assert dict(answer.peers_held) == {"X": 5500}
+    assert dict(answer.peers) == {"X": 1}, "bytes held are not requests in flight"
+    held_by_a.clear()
+    held_by_a["W"] = 100  # A's requests on X ended, one on W holds 100 bytes: its next write says so
+    await eventually_equal(lambda: _held(b, [9]), {"W": 100})
+    held_by_a.clear()
+    await eventually_equal(lambda: _held(b, [9]), {})
+
+
+async def _held(shared: SharedPlacement, blocks: list[int]) -> dict[str, int]:
+    return dict((await claimed(shared, claim(blocks, "Z"))).peers_held)
+
+
 async def test_a_replicas_counts_expire_when_it_writes_no_more(store: Any) -> None:
     load = LoadTracker()
     a = await store(load=load, load_ttl_s=0.3)

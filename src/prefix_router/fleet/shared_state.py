@@ -38,7 +38,7 @@ import itertools
 import logging
 import secrets
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -51,7 +51,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from prefix_router.routing.load import LoadTracker
 from prefix_router.routing.picker import LEDGER_ENTRIES
-from prefix_router.routing.shared_view import ClaimAnswer, ClaimRequest, Takeover, parse_answer
+from prefix_router.routing.shared_view import HELD, ClaimAnswer, ClaimRequest, Takeover, parse_answer
 
 log = logging.getLogger("prefix_router.shared_state")
 
@@ -230,17 +230,18 @@ end
 
 # ARGV: namespace, proposed backend, its capacity (bytes), max entries, follow table, the blocks,
 # their sizes, the listed backends, the request's mark ('' none), wait ('1': report a pending prefill),
-# marks' lifetime (ms), this replica, its in-flight pairs, their lifetime (ms), the follow limit ('0':
-# none), its other claims awaiting their answer (pairs of claim id and backend proposed), this claim's
-# id. The reply is one newline-joined string: chosen, depth, followed, the mark to wait for ('-'
-# none), marked, the bytes this claim added to the chosen backend's footprint, which listed backends
-# also hold the prefix followed (one '0' or '1' each; '-' when none was followed), the backend the
-# request is counted on, which listed backends the fleet's counts put at the follow limit (bits again;
-# '-' without a limit); bytes used, oldest use and entries of each listed backend; then backend and
-# count pairs of the others' in-flight requests. The replica's own counts are written with its request
-# counted on the chosen backend, or, when that owner is at the follow limit, on the first holder under
-# it: where the replica will send it (routing/shared_view.py, `resolve`), so that the claims other
-# replicas make before this one's next write see it there.
+# marks' lifetime (ms), this replica, its in-flight pairs (with pairs of 'held <backend>' and the bytes
+# its requests in flight hold there), their lifetime (ms), the follow limit ('0': none), its other
+# claims awaiting their answer (pairs of claim id and backend proposed), this claim's id. The reply is
+# one newline-joined string: chosen, depth, followed, the mark to wait for ('-' none), marked, the
+# bytes this claim added to the chosen backend's footprint, which listed backends also hold the prefix
+# followed (one '0' or '1' each; '-' when none was followed), the backend the request is counted on,
+# which listed backends the fleet's counts put at the follow limit (bits again; '-' without a limit);
+# bytes used, oldest use and entries of each listed backend; then backend and count pairs of the
+# others' in-flight requests, and 'held <backend>' and the bytes those hold there. The replica's own
+# counts are written with its request counted on the chosen backend, or, when that owner is at the
+# follow limit, on the first holder under it: where the replica will send it (routing/shared_view.py,
+# `resolve`), so that the claims other replicas make before this one's next write see it there.
 CLAIM_SCRIPT = (
     _RECORD
     + """
@@ -334,6 +335,8 @@ if limit > 0 then
   end
 end
 add(mine, order, counted_on, 1)
+-- What this claim adds there is held there too until the replica's next write says what it holds.
+if added > 0 then add(mine, order, 'held ' .. counted_on, added) end
 write_load(me, as_pairs(mine, order), load_ttl)
 kept[#kept + 1] = claim_id
 kept[#kept + 1] = counted_on
@@ -508,6 +511,7 @@ class SharedPlacement:
         max_entries: int = LEDGER_ENTRIES,
         reconnect_interval_s: float = RECONNECT_INTERVAL_S,
         load: LoadTracker | None = None,
+        held: Callable[[], dict[str, int]] | None = None,
         prefill_wait_s: float = 0.0,
         load_ttl_s: float = LOAD_TTL_S,
         subscription_ping_s: float = SUBSCRIPTION_PING_S,
@@ -519,6 +523,7 @@ class SharedPlacement:
         self._reconnect_interval_s = reconnect_interval_s
         self._subscription_ping_s = subscription_ping_s
         self._load = load
+        self._held = held  # the bytes this replica's requests in flight hold, per backend
         # Marks live as long as a request waits for one: past that nobody would still be waiting.
         self._mark_ttl_ms = str(max(1, round(prefill_wait_s * 1000))) if prefill_wait_s > 0 else ""
         self._load_ttl_s = load_ttl_s
@@ -678,6 +683,9 @@ class SharedPlacement:
                 self.prefilled(mark, request, request.proposed)
         self._timeouts = 0
         counts[answer.counted_on] = counts.get(answer.counted_on, 0) + 1  # as the script wrote them
+        if answer.added:
+            held = HELD + answer.counted_on
+            counts[held] = counts.get(held, 0) + answer.added
         self._sent_counts, self._sent_flight = counts, sent_flight
         self._sent_at = asyncio.get_running_loop().time()
         return answer
@@ -690,6 +698,9 @@ class SharedPlacement:
         counts = self._load.local_counts() if self._load is not None else {}
         for backend, n in self._held_back.items():
             counts[backend] = counts.get(backend, 0) + n
+        if self._held is not None:
+            for backend, n in self._held().items():
+                counts[HELD + backend] = n
         return counts
 
     def waiting_on(self, backend_id: str, change: int) -> None:

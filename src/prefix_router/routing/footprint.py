@@ -19,7 +19,7 @@ Two measures rank backends for a new prefix:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 # A backend whose capacity is not known gets the mean of those that are known (a backend that does
 # not say, or cannot be reached, must not look the roomiest and draw every new prefix), or this
@@ -167,6 +167,7 @@ class FootprintLedgers:
         "_ledgers",
         "_max_entries",
         "_on_evict",
+        "_peers_held",
         "_ranks",
         "_shared",
     )
@@ -178,9 +179,13 @@ class FootprintLedgers:
         self._on_evict = on_evict
         self._clock = 0
         self._ranks: dict[str, tuple[int, float]] = {}  # kept with every change: a pick only reads
-        # Capacity minus the bytes requests in flight hold, per backend with a local ledger: what a
-        # new prompt can be admitted to now (absent: no limit known, as under shared figures).
+        # Capacity minus the bytes requests in flight hold, per backend with a local ledger or with
+        # the other replicas' holds known: what a new prompt can be admitted to now (absent: no limit
+        # known).
         self._free_now: dict[str, float] = {}
+        # The bytes the other replicas' requests in flight hold per backend, as the shared store
+        # last said: replicas placing new prompts at once must not all fill one engine's KV room.
+        self._peers_held: dict[str, int] = {}
         # Fleet-wide figures from the shared store (bytes used, oldest use, entries): while a backend
         # has one, it ranks by it, on the shared clock, rather than by what this replica placed.
         self._shared: dict[str, tuple[int, int, int]] = {}
@@ -223,8 +228,7 @@ class FootprintLedgers:
         evicted = self.ledger(backend_id).record(blocks, sizes, self._clock)
         if evicted:
             self._evicted(evicted, backend_id)
-        if backend_id not in self._shared:
-            self._rerank(backend_id)
+        self._rerank(backend_id)
 
     def hold(self, backend_id: str, blocks: Sequence[int], sizes: Sequence[int]) -> None:
         """A request is sent there: its blocks are used now and stay until `let_go` (see BackendLedger)."""
@@ -232,16 +236,31 @@ class FootprintLedgers:
         evicted = self.ledger(backend_id).hold(blocks, sizes)
         if evicted:
             self._evicted(evicted, backend_id)
-        if backend_id not in self._shared:
+        self._rerank(backend_id)
+
+    def set_peers_held(self, figures: Iterable[tuple[str, int]]) -> None:
+        """The bytes the other replicas' requests in flight hold per backend (shared placement
+        state); replaces what was said before, and none at all says nobody else holds anything."""
+        old = self._peers_held
+        new = {backend: held for backend, held in figures if held > 0}
+        if new == old:
+            return
+        self._peers_held = new
+        for backend_id in old.keys() | new.keys():
             self._rerank(backend_id)
 
     @property
     def free_now(self) -> dict[str, float]:
-        """Per backend, its capacity minus what requests in flight hold there: a prompt of more bytes
-        cannot be admitted now. Kept with every change, one dict for the ledgers' life, for a pick
-        to read (never to write); a backend absent from it has no known limit (shared figures keep
-        no holds)."""
+        """Per backend, its capacity minus what requests in flight hold there, this replica's and, with
+        shared state, the others' (summed: two replicas' holds of one prefix count twice, erring
+        towards a fuller engine): a prompt of more bytes cannot be admitted now. Kept with every
+        change, one dict for the ledgers' life, for a pick to read (never to write); a backend absent
+        from it has no known limit."""
         return self._free_now
+
+    def held_by_backend(self) -> dict[str, int]:
+        """The bytes this replica's requests in flight hold, per backend holding any."""
+        return {b: ledger.held_bytes for b, ledger in self._ledgers.items() if ledger.held_bytes > 0}
 
     def held_bytes(self, backend_id: str) -> int:
         ledger = self._ledgers.get(backend_id)
@@ -259,8 +278,7 @@ class FootprintLedgers:
             return
         self._clock += 1
         ledger.let_go(blocks, self._clock)
-        if backend_id not in self._shared:
-            self._rerank(backend_id)
+        self._rerank(backend_id)
 
     def rank(self, backend_id: str) -> tuple[int, float]:
         """Smaller is a better home for a new prefix: (0, -room) while there is room, then
@@ -272,10 +290,13 @@ class FootprintLedgers:
     def _rerank(self, backend_id: str) -> None:
         self._ranks[backend_id] = self._rank_now(backend_id)
         ledger = self._ledgers.get(backend_id)
-        if ledger is None or backend_id in self._shared:
-            self._free_now.pop(backend_id, None)
+        peers = self._peers_held.get(backend_id, 0)
+        if ledger is not None:
+            self._free_now[backend_id] = ledger.capacity_bytes - ledger.held_bytes - peers
+        elif peers:
+            self._free_now[backend_id] = self.capacity(backend_id) - peers
         else:
-            self._free_now[backend_id] = ledger.capacity_bytes - ledger.held_bytes
+            self._free_now.pop(backend_id, None)
 
     def _rank_now(self, backend_id: str) -> tuple[int, float]:
         shared = self._shared.get(backend_id)
@@ -296,6 +317,7 @@ class FootprintLedgers:
 
     def forget(self, backend_id: str) -> None:
         self._free_now.pop(backend_id, None)
+        self._peers_held.pop(backend_id, None)
         self._ledgers.pop(backend_id, None)
         self._capacity_of.pop(backend_id, None)
         self._ranks.pop(backend_id, None)

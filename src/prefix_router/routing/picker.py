@@ -92,6 +92,16 @@ class Picker:
             for backend_id, used, oldest, entries in figures:
                 self._ledgers.set_shared(backend_id, used, oldest, entries)
 
+    def shared_held(self, figures: Iterable[tuple[str, int]]) -> None:
+        """The bytes the other replicas' requests in flight hold per backend (empty: none, or not
+        known), so a new prompt is not sent where the fleet's requests leave it no KV room."""
+        if self._ledgers is not None:
+            self._ledgers.set_peers_held(figures)
+
+    def held_by_backend(self) -> dict[str, int]:
+        """The bytes this replica's requests in flight hold per backend, for the shared store."""
+        return self._ledgers.held_by_backend() if self._ledgers is not None else {}
+
     def covers(self, key: RoutingKey, known_blocks: int) -> bool:
         """Is a prefix of `known_blocks` blocks enough of this request to follow its owners?"""
         return covers(key, known_blocks, self._config.follow_threshold)

@@ -59,6 +59,7 @@ class ClaimAnswer:
     holders: tuple[str, ...] = ()  # other listed backends holding the prefix followed, in walk order
     counted_on: str = ""  # where the store counted the request in flight ('' in a hand-made answer: chosen)
     full: frozenset[str] = frozenset()  # listed backends the fleet's counts put at the follow limit
+    peers_held: tuple[tuple[str, int], ...] = ()  # bytes the other replicas' requests in flight hold
 
     def __post_init__(self) -> None:
         if not self.counted_on:
@@ -187,6 +188,9 @@ def after_prefill(
 
 
 NO_MARK = "-"  # in a reply: no pending prefill to wait for
+# Before a backend's name, in the in-flight pairs a replica writes and the answer's: the bytes its
+# requests in flight hold there, not their count (a backend's name, a URL, has no space).
+HELD = "held "
 
 
 def parse_answer(reply: object, listed: Sequence[str]) -> ClaimAnswer:
@@ -195,7 +199,8 @@ def parse_answer(reply: object, listed: Sequence[str]) -> ClaimAnswer:
     that hold the prefix followed ('0'/'1' each, NO_MARK: none followed), the backend the request was
     counted on, the listed backends at the follow limit (bits as the holders', NO_MARK: no limit);
     bytes used, oldest use and entries of each listed backend; then pairs of backend and the other
-    replicas' requests in flight there. Raises ValueError when it is not that shape."""
+    replicas' requests in flight there, or of HELD and the backend's name and the bytes they hold
+    there. Raises ValueError when it is not that shape."""
     if isinstance(reply, bytes):
         reply = reply.decode("utf-8", "surrogateescape")
     if not isinstance(reply, str):
@@ -213,13 +218,16 @@ def parse_answer(reply: object, listed: Sequence[str]) -> ClaimAnswer:
         (backend, numbers[3 * i], numbers[1 + 3 * i], numbers[2 + 3 * i]) for i, backend in enumerate(listed)
     )
     rest = items[head:]
-    peers = tuple((rest[i], int(rest[i + 1])) for i in range(0, len(rest), 2))
-    if any(not backend or count < 0 for backend, count in peers):
+    pairs = [(rest[i], int(rest[i + 1])) for i in range(0, len(rest), 2)]
+    if any(not backend or count < 0 or backend == HELD for backend, count in pairs):
         raise ValueError("claim reply names a backend without a name or a count below 0")
+    peers = tuple((b, n) for b, n in pairs if not b.startswith(HELD))
+    peers_held = tuple((b[len(HELD) :], n) for b, n in pairs if b.startswith(HELD))
     wait_for = "" if items[3] == NO_MARK else items[3]
     return ClaimAnswer(
-        items[0], depth, followed == 1, figures, wait_for, marked == 1, peers, added, holders, items[7], full
-    )
+        items[0], depth, followed == 1, figures, wait_for, marked == 1, peers, added, holders, items[7], full,
+        peers_held,
+    )  # fmt: skip
 
 
 def _listed_by_bits(bits: str, listed: Sequence[str], what: str) -> tuple[str, ...]:
