@@ -415,8 +415,7 @@ class Placer:
         assert shared is not None
         load = self._backends.load
         if not shared.up:
-            load.clear_peers()
-            self._picker.shared_held(())
+            self._forget_peers()
             return local, None
         picker = self._picker
         holds = self._holds is not None
@@ -425,8 +424,7 @@ class Placer:
         )
         answer = await shared.claim(request)
         if answer is None:
-            load.clear_peers()
-            picker.shared_held(())
+            self._forget_peers()
             return local, None
         load.set_peers(answer.peers)
         picker.shared_held(answer.peers_held)
@@ -481,6 +479,12 @@ class Placer:
         elif outcome == "ready" and picker.ledgers is not None:
             shared.touch(request, moved.backend_id, picker.ledgers.capacity(moved.backend_id))
         return moved, mark
+
+    def _forget_peers(self) -> None:
+        """No answer from the store: what it said of the other replicas (their requests in flight,
+        the KV room those hold) is not known any more, and this replica routes on its own."""
+        self._backends.load.clear_peers()
+        self._picker.shared_held(())
 
     async def _wait_for_prefill(self, ticket: int) -> None:
         assert self._holds is not None

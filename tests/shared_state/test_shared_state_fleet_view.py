@@ -6,6 +6,8 @@ while a request waits for another router's prefill lets it go at once."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -195,10 +197,7 @@ async def test_a_request_held_for_a_prefill_is_placed_on_the_fleet_as_it_stands_
     prefilling = SharedPlacement(redis_server.url, 2.0, CollectorRegistry(), prefill_wait_s=5.0)
     busy_load = LoadTracker()
     busy = SharedPlacement(redis_server.url, 2.0, CollectorRegistry(), load=busy_load)
-    raw = Redis.from_url(redis_server.url, decode_responses=True)
-    tasks = [asyncio.create_task(shared.run()) for shared in (prefilling, busy)]
-    try:
-        await eventually(lambda: prefilling.up and busy.up)
+    async with _stand_ins(redis_server.url, prefilling, busy) as raw:
         # The key the router takes of a body sent to _stream's path: its first bytes, canonicalised.
         key = extract_key("/stream", orjson.dumps(_body("first question", True)), None, KeyConfig())
         blocks = key.blocks
@@ -221,18 +220,24 @@ async def test_a_request_held_for_a_prefill_is_placed_on_the_fleet_as_it_stands_
             prefilling.prefilled("other:1", first, prefilled_on)
             home = await held
         assert home != prefilled_on, "the backend the prefill ended on is at max_inflight by now"
+
+
+@contextlib.asynccontextmanager
+async def _stand_ins(url: str, *placements: SharedPlacement) -> AsyncIterator[Redis]:
+    """Other replicas as the store sees them, up and running in the background for the block, and a
+    raw connection to the store; all ended and closed after it."""
+    raw = Redis.from_url(url, decode_responses=True)
+    tasks = [asyncio.create_task(shared.run()) for shared in placements]
+    try:
+        await eventually(lambda: all(shared.up for shared in placements))
+        yield raw
     finally:
-        await _stop(tasks, (prefilling, busy), raw)
-
-
-async def _stop(tasks: list[asyncio.Task[None]], placements: tuple[SharedPlacement, ...], raw: Redis) -> None:
-    """End the stand-in replicas' background tasks, then close them and the raw connection."""
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    for shared in placements:
-        await shared.close()
-    await raw.aclose()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for shared in placements:
+            await shared.close()
+        await raw.aclose()
 
 
 async def _hget(raw: Redis, key: str, field: str | None) -> str | None:
@@ -257,11 +262,7 @@ async def test_the_requests_every_replica_holds_for_a_prefill_count_where_it_end
     holding = SharedPlacement(redis_server.url, 2.0, CollectorRegistry(), prefill_wait_s=5.0)
     busy_load = LoadTracker()
     busy = SharedPlacement(redis_server.url, 2.0, CollectorRegistry(), load=busy_load)
-    raw = Redis.from_url(redis_server.url, decode_responses=True)
-    others = (prefilling, holding, busy)
-    tasks = [asyncio.create_task(shared.run()) for shared in others]
-    try:
-        await eventually(lambda: all(shared.up for shared in others))
+    async with _stand_ins(redis_server.url, prefilling, holding, busy) as raw:
         key = extract_key("/stream", orjson.dumps(_body("first question", True)), None, KeyConfig())
         blocks, sizes = key.blocks, block_sizes(key.ends)[: len(key.blocks)]
         first = ClaimRequest(blocks, sizes, "1" * len(blocks), owner, 1e12, (), "other:1")
@@ -283,5 +284,3 @@ async def test_the_requests_every_replica_holds_for_a_prefill_count_where_it_end
             prefilling.prefilled("other:1", first, prefilled_on)
             home = await held
         assert home != prefilled_on, "three in flight there and the other replica's waiter going there: full"
-    finally:
-        await _stop(tasks, others, raw)
