@@ -80,27 +80,42 @@ class SharedStore(Protocol):
 
     def prefilled(self, mark: str, request: ClaimRequest, backend_id: str) -> None: ...
 
+    def unpin(self, backend_id: str, request: ClaimRequest) -> None: ...
+
     async def wait_prefilled(self, mark: str, timeout_s: float) -> tuple[str, str] | None: ...
 
 
-class SharedMark:
-    """The blocks one attempt marked pending in the shared store: their end is said once, at the first
-    byte or when the attempt ends, as a PrefillHold's."""
+class SharedClaim:
+    """What one attempt's claim left in the shared store until it ends: its blocks pinned on the backend
+    the request goes to (where the store placed them, or a take-over moved them), let go of once, when
+    the attempt ends; and, when it `marked` them pending, its prefill's end, said once, at the first
+    byte or at the attempt's end, as a PrefillHold's."""
 
-    __slots__ = ("_mark", "_request", "_said", "_store", "backend_id")
+    __slots__ = ("_mark", "_pinned", "_request", "_said", "_store", "backend_id")
 
-    def __init__(self, store: SharedStore, mark: str, request: ClaimRequest, backend_id: str) -> None:
+    def __init__(self, store: SharedStore, request: ClaimRequest, backend_id: str, marked: bool) -> None:
         self._store = store
-        self._mark = mark
         self._request = request
+        self._mark = request.mark if marked else ""
         self.backend_id = backend_id
-        self._said = False
+        self._said = not marked
+        self._pinned = True
 
-    def release(self) -> None:
+    def moved(self, backend_id: str) -> None:
+        """A take-over moved the claim's blocks, and their pins, to where the request now goes."""
+        self.backend_id = backend_id
+
+    def prefill_ended(self) -> None:
         if self._said:
             return
         self._said = True
         self._store.prefilled(self._mark, self._request, self.backend_id)
+
+    def release(self) -> None:
+        self.prefill_ended()
+        if self._pinned:
+            self._pinned = False
+            self._store.unpin(self.backend_id, self._request)
 
 
 class CapacityWaiters:
@@ -213,10 +228,10 @@ class Placement:
     called; every exit path of the attempt calls it."""
 
     __slots__ = (
+        "_claim",
         "_hold",
         "_key",
         "_lease",
-        "_mark",
         "_placer",
         "_released",
         "backend_id",
@@ -232,7 +247,7 @@ class Placement:
         branch: Branch,
         lease: Lease,
         hold: PrefillHold | None,
-        mark: SharedMark | None = None,
+        claim: SharedClaim | None = None,
     ) -> None:
         self._placer = placer
         self._key = key
@@ -241,7 +256,7 @@ class Placement:
         self.branch = branch
         self._lease = lease
         self._hold = hold
-        self._mark = mark
+        self._claim = claim
         self._released = False
 
     @property
@@ -260,8 +275,8 @@ class Placement:
         """The answer's first byte came: the prefix is cached there now, whoever waits for it may go."""
         if self._hold is not None:
             self._hold.release()
-        if self._mark is not None:
-            self._mark.release()
+        if self._claim is not None:
+            self._claim.prefill_ended()
 
     def release(self) -> None:
         if self._released:
@@ -269,8 +284,8 @@ class Placement:
         self._released = True
         if self._hold is not None:
             self._hold.release()
-        if self._mark is not None:
-            self._mark.release()
+        if self._claim is not None:
+            self._claim.release()
         self._placer._picker.ended(self._key, self.backend_id)
         self._placer._lease_ended(self._lease)
 
@@ -330,14 +345,14 @@ class Placer:
         """A place for one attempt, on a backend not in `exclude` (the ones tried already; a retry
         then records the RETRY branch). With `pin`, only that backend (it stored what the request
         names). Raises NoBackend, Overloaded (capacity wait timed out), ModelNotFound."""
-        decision, mark = await self._choose(key, exclude, pin)
+        decision, claim = await self._choose(key, exclude, pin)
         backend = decision.backend_id
         # Nothing awaits from here to the return: a cancelled request cannot leak the lease or hold.
         lease = self._backends.load.acquire(backend)
         self._picker.chosen(key, backend)
         hold = self._holds.claim(key, backend) if self._holds is not None else None
         branch = Branch.RETRY if exclude else decision.branch
-        return Placement(self, key, decision, branch, lease, hold, mark)
+        return Placement(self, key, decision, branch, lease, hold, claim)
 
     def knows_model(self, model: str | None) -> bool:
         """A model name the fleet's listings (or the adapter configuration) name; False without them."""
@@ -359,10 +374,10 @@ class Placer:
 
     async def _choose(
         self, key: RoutingKey, exclude: Collection[str], pin: str | None
-    ) -> tuple[Decision, SharedMark | None]:
+    ) -> tuple[Decision, SharedClaim | None]:
         """A decision within the bound, waiting (bounded) while every backend is at max_inflight,
         and (bounded) while another request prefills this one's prefix on the chosen backend; with
-        the shared store, the blocks it marked pending there."""
+        the shared store, what its claim left there until the attempt ends."""
         config = self._config
         loop = asyncio.get_running_loop()
         deadline = loop.time() + config.queue_timeout_s
@@ -384,16 +399,16 @@ class Placer:
                 continue
             load = self._backends.load
             if load.load(decision.backend_id) < config.max_inflight:
-                mark: SharedMark | None = None
+                claim: SharedClaim | None = None
                 if pin is None and self._shared is not None and not exclude and key.blocks:
-                    decision, mark = await self._share(key, decision, ring, candidates)
+                    decision, claim = await self._share(key, decision, ring, candidates)
                 if load.load(decision.backend_id) < config.max_inflight:
                     if queued_s:
                         self._waits.waited("capacity", queued_s)
-                    return decision, mark
+                    return decision, claim
                 # The fleet's counts of this moment put every choice at max_inflight: wait.
-                if mark is not None:
-                    mark.release()
+                if claim is not None:
+                    claim.release()
             left = deadline - loop.time()
             began = time.perf_counter()
             woken = await self._waiters.wait(left)
@@ -407,7 +422,7 @@ class Placer:
 
     async def _share(
         self, key: RoutingKey, local: Decision, ring: HashRing, candidates: Candidates
-    ) -> tuple[Decision, SharedMark | None]:
+    ) -> tuple[Decision, SharedClaim | None]:
         """The decision every replica agrees on (routing/shared_view.py): one bounded round trip to
         the shared store; while it is slow or down, the local decision. Then, when another replica
         is prefilling the prefix it follows there, the bounded wait for that prefill's end."""
@@ -448,10 +463,12 @@ class Placer:
         decision = resolution.decision
         if decision.backend_id != answer.counted_on:
             shared.counts_moved()
-        mark = SharedMark(shared, request.mark, request, decision.backend_id) if answer.marked else None
+        # Where the request goes is where the store has its blocks: the claim's choice, or the
+        # take-over's target.
+        claim = SharedClaim(shared, request, decision.backend_id, answer.marked)
         if not resolution.wait_for:
-            return decision, mark
-        # Nothing is held yet (no lease, no hold): a cancelled wait leaks only the mark, said ended.
+            return decision, claim
+        # Nothing is held yet (no lease, no hold): a cancelled wait lets go of the claim.
         # While it waits, the request is counted where it will go: every replica's waiters for that
         # prefill go at once when it ends, and the fleet must see them coming.
         shared.waiting_on(decision.backend_id, 1)
@@ -459,13 +476,12 @@ class Placer:
             began = time.perf_counter()
             ended = await shared.wait_prefilled(resolution.wait_for, self._config.prefill_wait_s)
         except BaseException:
-            if mark is not None:
-                mark.release()
+            claim.release()
             raise
         finally:
             shared.waiting_on(decision.backend_id, -1)
         if ended is None:
-            return decision, mark
+            return decision, claim
         outcome, prefilled_on = ended
         self._waits.prefill_waited(outcome, time.perf_counter() - began)
         moved = after_prefill(decision, prefilled_on, candidates.members, follows)
@@ -474,11 +490,10 @@ class Placer:
             takeover = Takeover(decision.backend_id, moved.backend_id, answer.depth)
             shared.take_over(takeover, request, request.capacity_bytes)
             shared.counts_moved()
-            if mark is not None:
-                mark.backend_id = moved.backend_id
+            claim.moved(moved.backend_id)
         elif outcome == "ready" and picker.ledgers is not None:
             shared.touch(request, moved.backend_id, picker.ledgers.capacity(moved.backend_id))
-        return moved, mark
+        return moved, claim
 
     def _forget_peers(self) -> None:
         """No answer from the store: what it said of the other replicas (their requests in flight,

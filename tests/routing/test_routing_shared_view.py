@@ -148,18 +148,19 @@ def test_the_answer_becomes_the_decision(
     "reply",
     [
         pytest.param(b"X\n1\n0\n-\n0", id="too-short"),
-        pytest.param(b"\n1\n0\n-\n0\n0\n-\nA\n-\n1\n2\n3", id="no-backend"),
-        pytest.param(b"X\n1\n0\n\n0\n0\n-\nX\n-\n1\n2\n3", id="no-mark-field"),
-        pytest.param(b"X\n1\n0\n-\n0\n0\n-\nX\n-\nmany\n2\n3", id="not-a-number"),
-        pytest.param(b"X\n1\n0\n-\n0\n0\n-\nX\n-\n1\n2\n3\nB", id="a-peer-without-a-count"),
-        pytest.param(b"X\n1\n0\n-\n0\n0\n-\nX\n-\n1\n2\n3\nB\n-2", id="a-negative-peer-count"),
-        pytest.param(b"X\n1\n0\n-\n0\n0\n-\nX\n-\n1\n2\n3\nB\nlots", id="a-peer-count-not-a-number"),
-        pytest.param(b"X\n1\n0\n-\n0\n0\n-\nX\n-\n1\n2\n3\nheld \n5", id="bytes-held-on-no-backend"),
-        pytest.param(b"X\n1\n0\n-\n0\n0\n-\nX\n-\n1\n2\n3\nheld B\n-5", id="bytes-held-below-0"),
-        pytest.param(b"X\n1\n1\n-\n0\n0\n01\nX\n-\n1\n2\n3", id="holders-for-two-of-one-listed"),
-        pytest.param(b"X\n1\n1\n-\n0\n0\n2\nX\n-\n1\n2\n3", id="holders-not-bits"),
-        pytest.param(b"X\n1\n0\n-\n0\n0\n-\n\n-\n1\n2\n3", id="counted-nowhere"),
-        pytest.param(b"X\n1\n0\n-\n0\n0\n-\nX\n10\n1\n2\n3", id="full-for-two-of-one-listed"),
+        pytest.param(b"\n1\n0\n-\n0\n0\n-\nA\n-\n0\n1\n2\n3", id="no-backend"),
+        pytest.param(b"X\n1\n0\n\n0\n0\n-\nX\n-\n0\n1\n2\n3", id="no-mark-field"),
+        pytest.param(b"X\n1\n0\n-\n0\n0\n-\nX\n-\n0\nmany\n2\n3", id="not-a-number"),
+        pytest.param(b"X\n1\n0\n-\n0\n0\n-\nX\n-\n0\n1\n2\n3\nB", id="a-peer-without-a-count"),
+        pytest.param(b"X\n1\n0\n-\n0\n0\n-\nX\n-\n0\n1\n2\n3\nB\n-2", id="a-negative-peer-count"),
+        pytest.param(b"X\n1\n0\n-\n0\n0\n-\nX\n-\n0\n1\n2\n3\nB\nlots", id="a-peer-count-not-a-number"),
+        pytest.param(b"X\n1\n0\n-\n0\n0\n-\nX\n-\n0\n1\n2\n3\nheld \n5", id="bytes-held-on-no-backend"),
+        pytest.param(b"X\n1\n0\n-\n0\n0\n-\nX\n-\n0\n1\n2\n3\nheld B\n-5", id="bytes-held-below-0"),
+        pytest.param(b"X\n1\n1\n-\n0\n0\n01\nX\n-\n0\n1\n2\n3", id="holders-for-two-of-one-listed"),
+        pytest.param(b"X\n1\n1\n-\n0\n0\n2\nX\n-\n0\n1\n2\n3", id="holders-not-bits"),
+        pytest.param(b"X\n1\n0\n-\n0\n0\n-\n\n-\n0\n1\n2\n3", id="counted-nowhere"),
+        pytest.param(b"X\n1\n0\n-\n0\n0\n-\nX\n10\n0\n1\n2\n3", id="full-for-two-of-one-listed"),
+        pytest.param(b"X\n1\n0\n-\n0\n0\n-\nX\n-\nsome\n1\n2\n3", id="taken-not-a-number"),
         pytest.param([b"X", 1, 0, "-", 0, 0, "-", "X", "-", 1, 2, 3], id="not-a-string"),
     ],
 )
@@ -169,23 +170,24 @@ def test_a_malformed_reply_is_refused(reply: object) -> None:
 
 
 def test_a_reply_parses() -> None:
-    parsed = parse_answer(b"http://x:1\n2\n1\n-\n0\n0\n-\nhttp://x:1\n-\n300\n17\n3\n0\n-1\n0", ["A", "B"])
+    parsed = parse_answer(b"http://x:1\n2\n1\n-\n0\n0\n-\nhttp://x:1\n-\n0\n300\n17\n3\n0\n-1\n0", ["A", "B"])
     assert parsed == ClaimAnswer("http://x:1", 2, True, (("A", 300, 17, 3), ("B", 0, -1, 0)))
-    waiting = parse_answer(b"A\n2\n1\nr9:4\n1\n40\n-\nA\n-\n300\n17\n3\nA\n5\nC\n1", ["A"])
+    waiting = parse_answer(b"A\n2\n1\nr9:4\n1\n40\n-\nA\n-\n0\n300\n17\n3\nA\n5\nC\n1", ["A"])
     assert waiting == ClaimAnswer("A", 2, True, (("A", 300, 17, 3),), "r9:4", True, (("A", 5), ("C", 1)), 40)
     assert waiting.figures_before() == (("A", 260, 17, 3),)
-    spilled = parse_answer(b"A\n2\n1\n-\n0\n0\n011\nA\n-\n0\n1\n1\n5\n6\n1\n7\n8\n1", ["A", "B", "C"])
+    spilled = parse_answer(b"A\n2\n1\n-\n0\n0\n011\nA\n-\n0\n0\n1\n1\n5\n6\n1\n7\n8\n1", ["A", "B", "C"])
     assert spilled.holders == ("B", "C")
     assert spilled.counted_on == "A"
     counted_on_holder = parse_answer(
-        b"A\n2\n1\n-\n0\n0\n011\nB\n-\n0\n1\n1\n5\n6\n1\n7\n8\n1", ["A", "B", "C"]
+        b"A\n2\n1\n-\n0\n0\n011\nB\n-\n0\n0\n1\n1\n5\n6\n1\n7\n8\n1", ["A", "B", "C"]
     )
     assert (counted_on_holder.chosen, counted_on_holder.counted_on) == ("A", "B")
     assert counted_on_holder.full == frozenset()
-    with_held = parse_answer(b"A\n1\n0\n-\n0\n0\n-\nA\n-\n0\n1\n1\nB\n2\nheld B\n700\nheld A\n5", ["A"])
+    with_held = parse_answer(b"A\n1\n0\n-\n0\n0\n-\nA\n-\n300\n0\n1\n1\nB\n2\nheld B\n700\nheld A\n5", ["A"])
     assert with_held.peers == (("B", 2),)
     assert with_held.peers_held == (("B", 700), ("A", 5))
-    owner_full = parse_answer(b"A\n2\n1\n-\n0\n0\n011\nB\n101\n0\n1\n1\n5\n6\n1\n7\n8\n1", ["A", "B", "C"])
+    assert with_held.taken == 300
+    owner_full = parse_answer(b"A\n2\n1\n-\n0\n0\n011\nB\n101\n0\n0\n1\n1\n5\n6\n1\n7\n8\n1", ["A", "B", "C"])
     assert owner_full.full == {"A", "C"}
 
 

@@ -81,6 +81,28 @@ async def claimed(shared: SharedPlacement, request: ClaimRequest) -> ClaimAnswer
     return answer
 
 
+async def pinned(raw: Redis, backend: str) -> dict[int, int]:
+    """The blocks requests in flight pin on the backend: block -> requests holding it."""
+    prefix = f"{NAMESPACE}pin:{backend}:"
+    keys = [key async for key in raw.scan_iter(match=prefix + "*")]
+    values = await raw.mget(keys) if keys else []
+    return {int(key[len(prefix) :]): int(value) for key, value in zip(keys, values, strict=True) if value}
+
+
+async def served(shared: SharedPlacement, raw: Redis, request: ClaimRequest) -> ClaimAnswer:
+    """A claim whose request has ended by the time the next one comes: its pins are let go of (none of
+    its blocks is pinned by another request)."""
+    answer = await claimed(shared, request)
+    shared.unpin(answer.chosen, request)
+    blocks = set(request.blocks)
+    await eventually_equal(lambda: _pinned_among(raw, answer.chosen, blocks), set())
+    return answer
+
+
+async def _pinned_among(raw: Redis, backend: str, blocks: set[int]) -> set[int]:
+    return blocks & set(await pinned(raw, backend))
+
+
 async def owners(raw: Redis, blocks: list[int]) -> list[str | None]:
     return [
         v.decode() if isinstance(v, bytes) else v
@@ -115,9 +137,9 @@ async def test_the_follow_table_decides_and_owned_blocks_stay(store: Any, raw: R
 
 async def test_eviction_drops_the_owners_that_name_the_backend(store: Any, raw: Redis) -> None:
     shared = await store()
-    await claimed(shared, claim([50], "Y"))  # Y owns 50
+    await served(shared, raw, claim([50], "Y"))  # Y owns 50
     # X holds 300 bytes: 50 (owned by Y) and 1, 2 on the first request, then 3, 4 push them out.
-    await claimed(shared, claim([50, 1, 2], "X", follow="000", capacity=300))
+    await served(shared, raw, claim([50, 1, 2], "X", follow="000", capacity=300))
     assert await owners(raw, [50, 1, 2]) == ["Y", "X", "X"]
     answer = await claimed(shared, claim([3, 4], "X", capacity=300, listed=("X", "Y")))
     assert answer.chosen == "X"
@@ -149,10 +171,12 @@ async def test_blocks_being_prefilled_are_not_aged_out_by_the_claims_made_meanwh
     before = {backend: used for backend, used, _, _ in second.figures_before()}
     assert before["X"] == 300  # the first document, still held by its prefill
     assert await owners(raw, [1, 2, 3, 7, 8, 9]) == ["X"] * 6
-    # Its prefill over, the first document ages out as any other: the next claim makes room, and
-    # the second document, still being prefilled, stays.
+    # Its prefill over and its request ended, the first document ages out as any other: the next
+    # claim makes room, and the second document, still being prefilled, stays.
     a.prefilled(mark, first, "X")
+    a.unpin("X", first)
     await eventually_equal(lambda: raw.get(f"{NAMESPACE}p:1"), None)
+    await eventually_equal(lambda: _pinned_among(raw, "X", {1, 2, 3}), set())
     await claimed(b, ClaimRequest((20,), (100,), "1", "X", 300, (), "", False))
     assert await owners(raw, [1, 2, 3]) == [None, None, None]
     assert await owners(raw, [7, 8, 9, 20]) == ["X"] * 4
@@ -162,20 +186,19 @@ async def test_a_request_sent_after_a_prefill_touches_its_blocks_and_owns_the_on
     store: Any, raw: Redis
 ) -> None:
     """While the prefill it waited for ran, other claims aged the prefix out of the footprint (the
-    store pins a prompt only while it is being prefilled, the engine until it ends): when the
-    request goes there, they are the backend's most recent blocks again, and owned by it where
-    nobody owns them."""
+    request that prefilled it has ended, and what it pinned with it): when the request goes there,
+    they are the backend's most recent blocks again, and owned by it where nobody owns them."""
     shared = await store()
     prefilled = claim([1, 2], "X", capacity=200)
-    await claimed(shared, prefilled)
-    await claimed(shared, claim([3, 4], "X", capacity=200))  # pushes 2, then 1, out of the footprint
+    await served(shared, raw, prefilled)
+    await served(shared, raw, claim([3, 4], "X", capacity=200))  # pushes 2, then 1, out of it
     assert await owners(raw, [1, 2, 3, 4]) == [None, None, "X", "X"]
     shared.touch(prefilled, "X", 200)
     await eventually_equal(lambda: owners(raw, [1, 2]), ["X", "X"])
     assert await raw.zrange(f"{NAMESPACE}lru:X", 0, -1) == ["2", "1"]  # the others made room
     assert await owners(raw, [3, 4]) == [None, None]
     # A block another backend owns by now keeps its owner.
-    await claimed(shared, claim([7], "Y"))
+    await served(shared, raw, claim([7], "Y"))
     shared.touch(claim([7], "X"), "X", 200)
     await eventually_equal(lambda: raw.zrange(f"{NAMESPACE}lru:X", 0, -1), ["1", "7"])
     assert await owners(raw, [7]) == ["Y"]
@@ -208,6 +231,48 @@ async def test_a_take_over_moves_the_blocks_the_claim_gave_the_owner(store: Any,
     # A backend that cannot take requests at all loses every block it owns here.
     shared.take_over(Takeover("X", "Y", 0), request, BIG)
     await eventually_equal(lambda: owners(raw, [1, 2, 3, 4]), ["Y"] * 4)
+
+
+async def test_a_request_in_flight_keeps_its_blocks_in_the_footprint_until_it_ends(
+    store: Any, raw: Redis
+) -> None:
+    """The engine keeps a running request's blocks, so must the store: X's cache holds one document of
+    three blocks; while the first one's request runs, the next documents placed there push out each
+    other, not it, and the footprint says X is over its capacity (no room for a new prompt)."""
+    a, b = await store(), await store()
+    running = claim([1, 2, 3], "X", capacity=300)
+    await claimed(a, running)
+    assert await pinned(raw, "X") == {1: 1, 2: 1, 3: 1}
+    await served(b, raw, claim([4, 5, 6], "X", capacity=300))
+    answer = await served(b, raw, claim([7, 8, 9], "X", capacity=300, listed=("X",)))
+    assert await owners(raw, [1, 2, 3]) == ["X"] * 3
+    assert await owners(raw, [4, 5, 6]) == [None] * 3
+    used, _, entries = {f[0]: f[1:] for f in answer.figures}["X"]
+    assert (used, entries) == (600, 6)
+    # Two requests hold the shallow block: it stays pinned until both end.
+    await claimed(b, claim([1], "X", capacity=300))
+    assert (await pinned(raw, "X"))[1] == 2
+    a.unpin("X", running)
+    await eventually_equal(lambda: pinned(raw, "X"), {1: 1})
+    # Ended, the document ages like any other: the next one placed there pushes out its deep blocks.
+    await served(b, raw, claim([10, 11, 12], "X", capacity=300))
+    assert await owners(raw, [1, 2, 3, 7, 8, 9]) == ["X", None, None, None, None, None]
+
+
+async def test_a_take_over_moves_the_pins_and_pins_expire_with_a_replica_gone(store: Any, raw: Redis) -> None:
+    shared = await store()
+    request = claim([1, 2], "X")
+    await claimed(shared, request)
+    shared.take_over(Takeover("X", "Y", 0), request, BIG)
+    await eventually_equal(lambda: pinned(raw, "Y"), {1: 1, 2: 1})
+    assert await pinned(raw, "X") == {}
+    shared.unpin("Y", request)
+    await eventually_equal(lambda: pinned(raw, "Y"), {})
+    # A replica that dies with requests in flight: their pins go after their lifetime.
+    gone = await store(pin_ttl_s=0.3)
+    await claimed(gone, claim([5, 6], "X"))
+    assert await pinned(raw, "X") == {5: 1, 6: 1}
+    await eventually_equal(lambda: pinned(raw, "X"), {})
 
 
 def _errors(shared: SharedPlacement, reason: str) -> float:
@@ -432,6 +497,20 @@ async def test_each_claim_carries_the_bytes_its_replicas_requests_hold_and_answe
     await eventually_equal(lambda: _held(b, [9]), {"W": 100})
     held_by_a.clear()
     await eventually_equal(lambda: _held(b, [9]), {})
+
+
+async def test_a_claim_takes_the_kv_room_of_the_blocks_no_request_in_flight_holds(
+    store: Any, raw: Redis
+) -> None:
+    """A prompt whose requests ended is still in the footprint, but the engine pins it again for the
+    next one: that claim adds nothing to the footprint and still takes its room; a second request in
+    flight for it at once takes none."""
+    a, b = await store(), await store()
+    await served(a, raw, claim([1, 2], "X", sizes=[300, 200]))
+    again = await claimed(a, claim([1, 2], "X", sizes=[300, 200]))
+    assert (again.added, again.taken) == (0, 500)
+    beside = await claimed(b, claim([1, 2, 3], "X", sizes=[300, 200, 50]))
+    assert (beside.added, beside.taken) == (50, 50)
 
 
 async def _held(shared: SharedPlacement, blocks: list[int]) -> dict[str, int]:

@@ -21,13 +21,18 @@ script counted them (`cl:<replica>`, claim id to backend), or where they propose
 has not run; the answer sums the others'. Releases reach the store with the next claim, or by a
 background write when none came for LOAD_FLUSH_S; a request that goes elsewhere than its claim
 counted it is written at once.
+Pins: a claim pins the request's blocks on the backend it placed them on (a take-over moves them), and
+eviction passes them over, as the engine keeps a running request's blocks; the request's end lets go
+of them in a background write batched every LOAD_FLUSH_S. Each expires after PIN_TTL_S, so a replica
+gone leaves none; a claim that timed out may leave its pins until then.
 
 Keys, under NAMESPACE: `o:<block>` the block's owner; per backend `lru:<backend>` (a sorted set of
 blocks by the shared clock's reading of their last use), `size:<backend>` (bytes of each block);
 `used`, `count` and `cap` (hashes by backend: bytes placed, entries, capacity); `clock`; `p:<block>`,
 `e:<mark>` (a prefill said ended), `w:<mark>` (requests held for it, per replica), `ld:<replica>`,
-`cl:<replica>`, `replicas` as above. Scripts touch keys they derive, so the store must be one Redis
-(6.2 or later) or Valkey, not a cluster.
+`cl:<replica>`, `replicas` as above; `pin:<backend>:<block>`, the requests in flight holding the block
+there (pins, above). Scripts touch keys they derive, so the store must be one Redis (6.2 or later) or
+Valkey, not a cluster.
 """
 
 from __future__ import annotations
@@ -63,17 +68,22 @@ MAX_CONNECTIONS = 64  # to the store, per replica; a request waits for one withi
 LOAD_TTL_S = 3.0  # a replica's in-flight counts outlive its last write by this much, then count as none
 LOAD_FLUSH_S = 0.02  # counts changed and no claim carried them for this long: written in the background
 ENDED_KEPT = 1024  # prefills whose end was heard, kept for a waiter whose claim answer comes after it
+# A request's pins outlive its claim by this much at most: a replica that dies leaves none after it.
+# A request that runs longer loses them, and its blocks age from its claim on, as they did unpinned.
+PIN_TTL_S = 300.0
 BACKGROUND_TIMEOUT_S = 1.0  # at least, for calls no request waits on: a slow store may still take them
 # The subscription quiet this long is pinged, and lost when the next quiet spell brings no answer: a
 # connection that died without a word (a partition, a peer gone without a reset) would stay quiet,
 # and the requests held for prefills whose end it would carry would wait out prefill_wait_s.
 SUBSCRIPTION_PING_S = 1.0
 
-# Shared by both scripts: note blocks as just used by a backend, newest first (a prefix's shallow
+# Shared by the scripts: note blocks as just used by a backend, newest first (a prefix's shallow
 # blocks end most recently used, so eviction trims prefixes from their tails), then evict its least
 # recently used blocks while it holds more than its capacity, dropping the owners that name it. A
-# block pending a prefill (`p:<block>`) is not evicted: the engine holds it until the prefill is done,
-# and a claim that pushed it out would see room there that the engine does not have.
+# block pending a prefill (`p:<block>`) or pinned there by a request in flight (`pin:<backend>:<block>`)
+# is not evicted: the engine holds a running request's blocks until it ends, and a claim that pushed
+# them out would see room there that the engine does not have, and keep owners the engine evicted in
+# their stead.
 _RECORD = """
 local ns = ARGV[1]
 -- Lists travel as one newline-joined argument each: 3 arguments for 30 blocks rather than 60 (the
@@ -104,11 +114,13 @@ local function record(backend, cap, max_entries, blocks, sizes)
   local used = tonumber(redis.call('HGET', ns .. 'used', backend) or '0') + added
   local count = redis.call('ZCARD', lru)
   local pinned = {}
-  while count > 1 and (used > cap or count > max_entries) do
+  -- One entry always stays (a prompt larger than the whole cache leaves its head cached): a pinned
+  -- one counts, as it stays too.
+  while count > 0 and count + #pinned > 1 and (used > cap or count + #pinned > max_entries) do
     local block = redis.call('ZPOPMIN', lru)[1]
     count = count - 1
-    if redis.call('EXISTS', ns .. 'p:' .. block) == 1 then
-      pinned[#pinned + 1] = block  -- being prefilled: in use now, and kept
+    if redis.call('EXISTS', ns .. 'p:' .. block, ns .. 'pin:' .. backend .. ':' .. block) > 0 then
+      pinned[#pinned + 1] = block  -- being prefilled, or held by a request in flight: kept
     else
       used = used - tonumber(redis.call('HGET', sz, block) or '0')
       redis.call('HDEL', sz, block)
@@ -133,6 +145,25 @@ local function record(backend, cap, max_entries, blocks, sizes)
   redis.call('HSET', ns .. 'used', backend, used)
   redis.call('HSET', ns .. 'count', backend, count)
   return added
+end
+-- A request in flight pins its blocks on the backend the store placed it on: a count of the requests
+-- holding each block, expiring after ttl_ms, so the pins of a replica that dies go with time. Returns
+-- the bytes nobody held there before: the KV room this request takes now.
+local function pin(backend, blocks, sizes, ttl_ms)
+  local taken = 0
+  for i = 1, #blocks do
+    local key = ns .. 'pin:' .. backend .. ':' .. blocks[i]
+    if redis.call('INCR', key) == 1 then taken = taken + tonumber(sizes[i]) end
+    redis.call('PEXPIRE', key, ttl_ms)
+  end
+  return taken
+end
+local function unpin(backend, blocks)
+  for i = 1, #blocks do
+    local key = ns .. 'pin:' .. backend .. ':' .. blocks[i]
+    local left = tonumber(redis.call('GET', key) or '0') or 0
+    if left > 1 then redis.call('DECR', key) elseif left == 1 then redis.call('DEL', key) end
+  end
 end
 local function capacity_of(backend)
   return tonumber(redis.call('HGET', ns .. 'cap', backend) or '') or 1099511627776
@@ -232,16 +263,18 @@ end
 # their sizes, the listed backends, the request's mark ('' none), wait ('1': report a pending prefill),
 # marks' lifetime (ms), this replica, its in-flight pairs (with pairs of 'held <backend>' and the bytes
 # its requests in flight hold there), their lifetime (ms), the follow limit ('0': none), its other
-# claims awaiting their answer (pairs of claim id and backend proposed), this claim's id. The reply is
+# claims awaiting their answer (pairs of claim id and backend proposed), this claim's id, the pins'
+# lifetime (ms; '': the request's blocks are not pinned on the chosen backend). The reply is
 # one newline-joined string: chosen, depth, followed, the mark to wait for ('-' none), marked, the
 # bytes this claim added to the chosen backend's footprint, which listed backends also hold the prefix
 # followed (one '0' or '1' each; '-' when none was followed), the backend the request is counted on,
-# which listed backends the fleet's counts put at the follow limit (bits again; '-' without a limit);
-# bytes used, oldest use and entries of each listed backend; then backend and count pairs of the
-# others' in-flight requests, and 'held <backend>' and the bytes those hold there. The replica's own
-# counts are written with its request counted on the chosen backend, or, when that owner is at the
-# follow limit, on the first holder under it: where the replica will send it (routing/shared_view.py,
-# `resolve`), so that the claims other replicas make before this one's next write see it there.
+# which listed backends the fleet's counts put at the follow limit (bits again; '-' without a limit),
+# the bytes the request takes there (held for it); bytes used, oldest use and entries of each listed
+# backend; then backend and count pairs of the others' in-flight requests, and 'held <backend>' and the
+# bytes those hold there. The replica's own counts are written with its request counted on the chosen
+# backend, or, when that owner is at the follow limit, on the first holder under it: where the replica
+# will send it (routing/shared_view.py, `resolve`), so that the claims other replicas make before this
+# one's next write see it there.
 CLAIM_SCRIPT = (
     _RECORD
     + """
@@ -302,7 +335,12 @@ for i = 1, n do
   end
 end
 if #unowned > 0 then redis.call('MSET', unpack(unowned)) end
+local pin_ttl = ARGV[18]
+local taken = pin_ttl ~= '' and pin(chosen, blocks, sizes, pin_ttl)
 local added = record(chosen, capacity_of(chosen), max_entries, blocks, sizes)
+-- The KV room the request takes there: the bytes of its blocks no request in flight held (without
+-- pins, the bytes new to the footprint).
+taken = taken or added
 -- Which listed backends besides the owner hold the prefix followed (their footprints have its deepest
 -- block): where the request goes, in the walk's order, when the owner is at its bound.
 local holders, held = '-', {}
@@ -335,13 +373,13 @@ if limit > 0 then
   end
 end
 add(mine, order, counted_on, 1)
--- What this claim adds there is held there too until the replica's next write says what it holds.
-if added > 0 then add(mine, order, 'held ' .. counted_on, added) end
+-- What this claim takes there is held there too until the replica's next write says what it holds.
+if taken > 0 then add(mine, order, 'held ' .. counted_on, taken) end
 write_load(me, as_pairs(mine, order), load_ttl)
 kept[#kept + 1] = claim_id
 kept[#kept + 1] = counted_on
 keep_flight(me, kept, load_ttl)
-local reply = {chosen, depth, followed, wait_for, marked, added, holders, counted_on, full}
+local reply = {chosen, depth, followed, wait_for, marked, added, holders, counted_on, full, taken}
 if m > 0 then
   local used = redis.call('HMGET', ns .. 'used', unpack(listed))
   local counts = redis.call('HMGET', ns .. 'count', unpack(listed))
@@ -364,9 +402,10 @@ return table.concat(reply, '\\n')
 """
 )
 
-# ARGV: namespace, source, target, target's capacity, max entries, after, the blocks, their sizes.
-# Blocks past `after` that `source` owns move to `target`, out of the source's footprint; the
-# target's footprint gets every block of the request.
+# ARGV: namespace, source, target, target's capacity, max entries, after, the blocks, their sizes, the
+# pins' lifetime (ms; '': the claim pinned nothing). Blocks past `after` that `source` owns move to
+# `target`, out of the source's footprint; the target's footprint gets every block of the request,
+# and the pins its claim put on the source move there with it.
 TAKEOVER_SCRIPT = (
     _RECORD
     + """
@@ -376,6 +415,10 @@ local after = tonumber(ARGV[6])
 local blocks, sizes = split(ARGV[7]), split(ARGV[8])
 local n = #blocks
 redis.call('HSET', ns .. 'cap', target, ARGV[4])
+if ARGV[9] ~= '' then
+  unpin(source, blocks)
+  pin(target, blocks, sizes, ARGV[9])
+end
 local freed = 0
 for i = after + 1, n do
   local owner_key = ns .. 'o:' .. blocks[i]
@@ -436,9 +479,8 @@ return redis.call('PUBLISH', ns .. 'prefilled', table.concat(message, '\\n'))
 
 # ARGV: namespace, backend, its capacity, max entries, the blocks, their sizes. A request held for a
 # prefill of its prefix on that backend goes there now: the prefix was just used there, as the
-# engine sees it, and a block that lost its owner while the prefill ran (aged out by the claims
-# meanwhile: the store pins only blocks still pending, not prompts running) is owned by that backend
-# again.
+# engine sees it, and a block that lost its owner while the prefill ran (moved by a take-over, or aged
+# out past its pin's lifetime) is owned by that backend again.
 TOUCH_SCRIPT = (
     _RECORD
     + """
@@ -448,6 +490,20 @@ redis.call('HSET', ns .. 'cap', backend, ARGV[3])
 record(backend, tonumber(ARGV[3]), tonumber(ARGV[4]), blocks, sizes)
 for i = 1, #blocks do
   redis.call('SET', ns .. 'o:' .. blocks[i], backend, 'NX')
+end
+return 1
+"""
+)
+
+# ARGV: namespace, then one argument per request that ended: the backend its claim pinned its blocks
+# on, then those blocks (newline-joined). Each lets go of its pins there.
+UNPIN_SCRIPT = (
+    _RECORD
+    + """
+for g = 2, #ARGV do
+  local items = split(ARGV[g])
+  local backend = table.remove(items, 1)
+  unpin(backend, items)
 end
 return 1
 """
@@ -515,6 +571,7 @@ class SharedPlacement:
         prefill_wait_s: float = 0.0,
         load_ttl_s: float = LOAD_TTL_S,
         subscription_ping_s: float = SUBSCRIPTION_PING_S,
+        pin_ttl_s: float = PIN_TTL_S,
     ) -> None:
         self._url = url
         self._timeout_s = timeout_s
@@ -528,6 +585,9 @@ class SharedPlacement:
         self._mark_ttl_ms = str(max(1, round(prefill_wait_s * 1000))) if prefill_wait_s > 0 else ""
         self._load_ttl_s = load_ttl_s
         self._load_ttl_ms = str(max(1, round(load_ttl_s * 1000)))
+        self._pin_ttl_ms = str(max(1, round(pin_ttl_s * 1000))) if pin_ttl_s > 0 else ""
+        self._unpins: list[str] = []  # requests ended whose pins the store has not let go of yet
+        self._batching = False  # the background loop sends them, every LOAD_FLUSH_S
         self.replica = secrets.token_hex(8)  # this process, in marks and in-flight counts
         self._marks = itertools.count(1)
         self._sent_counts: dict[str, int] = {}  # what the store last heard of this replica's counts
@@ -558,7 +618,15 @@ class SharedPlacement:
         self._prefilled = self._redis.register_script(PREFILLED_SCRIPT)
         self._write_load = self._redis.register_script(LOAD_SCRIPT)
         self._touch = self._redis.register_script(TOUCH_SCRIPT)
-        self._scripts = (self._claim, self._takeover, self._prefilled, self._write_load, self._touch)
+        self._unpin = self._redis.register_script(UNPIN_SCRIPT)
+        self._scripts = (
+            self._claim,
+            self._takeover,
+            self._prefilled,
+            self._write_load,
+            self._touch,
+            self._unpin,
+        )
         self._up = False
         self._timeouts = 0
         self._said: bool | None = None  # the state the last log line announced
@@ -596,13 +664,18 @@ class SharedPlacement:
         return f"{self.replica}:{next(self._marks)}"
 
     async def run(self) -> None:
-        """The background work: the store's state, the `prefilled` subscription, the counts."""
-        async with asyncio.TaskGroup() as group:
-            group.create_task(self._keep_up())
-            if self._mark_ttl_ms:
-                group.create_task(self._listen())
-            if self._load is not None:
-                group.create_task(self._flush_load())
+        """The background work: the store's state, the `prefilled` subscription, the counts and the
+        pins let go of."""
+        self._batching = self._load is not None
+        try:
+            async with asyncio.TaskGroup() as group:
+                group.create_task(self._keep_up())
+                if self._mark_ttl_ms:
+                    group.create_task(self._listen())
+                if self._load is not None:
+                    group.create_task(self._flush_load())
+        finally:
+            self._batching = False
 
     async def _keep_up(self) -> None:
         """Keep the store's state known: ping until it answers, then wait until a call fails."""
@@ -622,6 +695,11 @@ class SharedPlacement:
             await self._wake.wait()
 
     async def close(self) -> None:
+        if self._up and self._unpins:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(self._timeout_s):
+                    await self._unpin(args=[self._namespace, *self._unpins])
+        self._unpins.clear()
         for task in list(self._pending):
             task.cancel()
         for task in list(self._pending):
@@ -666,6 +744,7 @@ class SharedPlacement:
             request.follow_limit,
             flight,
             claim_id,
+            self._pin_ttl_ms,
         ]
         answer: ClaimAnswer | None = None
         try:
@@ -683,9 +762,9 @@ class SharedPlacement:
                 self.prefilled(mark, request, request.proposed)
         self._timeouts = 0
         counts[answer.counted_on] = counts.get(answer.counted_on, 0) + 1  # as the script wrote them
-        if answer.added:
+        if answer.taken:
             held = HELD + answer.counted_on
-            counts[held] = counts.get(held, 0) + answer.added
+            counts[held] = counts.get(held, 0) + answer.taken
         self._sent_counts, self._sent_flight = counts, sent_flight
         self._sent_at = asyncio.get_running_loop().time()
         return answer
@@ -728,6 +807,24 @@ class SharedPlacement:
             "\n".join(map(str, request.sizes)),
         ]
         self._background(self._touch, args)
+
+    def unpin(self, backend_id: str, request: ClaimRequest) -> None:
+        """The request whose claim pinned its blocks on `backend_id` (where a take-over moved them) has
+        ended: the store lets go of them with the next batch (background)."""
+        if not self._pin_ttl_ms or not request.blocks:
+            return
+        self._unpins.append(backend_id + "\n" + "\n".join(map(str, request.blocks)))
+        if not self._batching:
+            self._send_unpins()
+
+    def _send_unpins(self) -> None:
+        """One background call for the requests ended since the last; while the store is down they
+        are dropped, and their pins expire."""
+        if not self._unpins:
+            return
+        groups, self._unpins = self._unpins, []
+        if self._up:
+            self._background(self._unpin, [self._namespace, *groups])
 
     def prefilled(self, mark: str, request: ClaimRequest, backend_id: str) -> None:
         """The prefill under `mark` on `backend_id` ended: its marks go and the replicas hear it
@@ -826,7 +923,7 @@ class SharedPlacement:
     async def _flush_load(self) -> None:
         """Write this replica's counts when they changed and no claim carried them for LOAD_FLUSH_S,
         at once when a claim counted its request where it did not go (`counts_moved`), and before
-        they expire while they stay the same."""
+        they expire while they stay the same; and the pins of the requests ended meanwhile."""
         loop = asyncio.get_running_loop()
         flush_now = self._flush_now
         while True:
@@ -835,6 +932,7 @@ class SharedPlacement:
                     await flush_now.wait()
             moved = flush_now.is_set()
             flush_now.clear()
+            self._send_unpins()
             if not self._up:
                 continue
             since = loop.time() - self._sent_at
@@ -873,6 +971,7 @@ class SharedPlacement:
             takeover.after,
             "\n".join(map(str, request.blocks)),
             "\n".join(map(str, request.sizes)),
+            self._pin_ttl_ms,
         ]
         self._background(self._takeover, args)
 

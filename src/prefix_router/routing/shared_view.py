@@ -60,6 +60,9 @@ class ClaimAnswer:
     counted_on: str = ""  # where the store counted the request in flight ('' in a hand-made answer: chosen)
     full: frozenset[str] = frozenset()  # listed backends the fleet's counts put at the follow limit
     peers_held: tuple[tuple[str, int], ...] = ()  # bytes the other replicas' requests in flight hold
+    # Bytes of KV room the request takes where it is counted: its blocks no request in flight held
+    # there (the store's pins), counted as this replica's held bytes until its next write.
+    taken: int = 0
 
     def __post_init__(self) -> None:
         if not self.counted_on:
@@ -197,21 +200,22 @@ def parse_answer(reply: object, listed: Sequence[str]) -> ClaimAnswer:
     """The claim script's reply, one newline-joined string: chosen, depth, followed, the mark to wait
     for (NO_MARK: none), marked, bytes added to the chosen backend's footprint, the listed backends
     that hold the prefix followed ('0'/'1' each, NO_MARK: none followed), the backend the request was
-    counted on, the listed backends at the follow limit (bits as the holders', NO_MARK: no limit);
-    bytes used, oldest use and entries of each listed backend; then pairs of backend and the other
-    replicas' requests in flight there, or of HELD and the backend's name and the bytes they hold
-    there. Raises ValueError when it is not that shape."""
+    counted on, the listed backends at the follow limit (bits as the holders', NO_MARK: no limit),
+    the bytes the request takes there; bytes used, oldest use and entries of each listed backend;
+    then pairs of backend and the other replicas' requests in flight there, or of HELD and the
+    backend's name and the bytes they hold there. Raises ValueError when it is not that shape."""
     if isinstance(reply, bytes):
         reply = reply.decode("utf-8", "surrogateescape")
     if not isinstance(reply, str):
         raise ValueError(f"claim reply is {type(reply).__name__}, not a string")
     items = reply.split("\n")
-    head = 9 + 3 * len(listed)
+    head = 10 + 3 * len(listed)
     if len(items) < head or (len(items) - head) % 2 or not items[0] or not items[3] or not items[7]:
         raise ValueError(f"claim reply has {len(items)} items for {len(listed)} backends")
     # int() raises ValueError on anything but a number
     depth, followed, marked, added = int(items[1]), int(items[2]), int(items[4]), int(items[5])
-    numbers = [int(item) for item in items[9:head]]
+    taken = int(items[9])
+    numbers = [int(item) for item in items[10:head]]
     holders = _listed_by_bits(items[6], listed, "holders")
     full = frozenset(_listed_by_bits(items[8], listed, "full backends"))
     figures = tuple(
@@ -226,7 +230,7 @@ def parse_answer(reply: object, listed: Sequence[str]) -> ClaimAnswer:
     wait_for = "" if items[3] == NO_MARK else items[3]
     return ClaimAnswer(
         items[0], depth, followed == 1, figures, wait_for, marked == 1, peers, added, holders, items[7], full,
-        peers_held,
+        peers_held, taken,
     )  # fmt: skip
 
 
