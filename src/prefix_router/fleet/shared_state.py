@@ -43,7 +43,7 @@ import itertools
 import logging
 import secrets
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -549,6 +549,16 @@ def _packed(counts: dict[str, int]) -> str:
     return "\n".join(f"{backend}\n{count}" for backend, count in counts.items())
 
 
+def _lines(values: Iterable[object]) -> str:
+    """A list as the scripts take it: one newline-joined argument (see _RECORD's `split`)."""
+    return "\n".join(map(str, values))
+
+
+def _unpin_groups(ended: Sequence[tuple[str, ClaimRequest]]) -> list[str]:
+    """UNPIN_SCRIPT's arguments: per request ended, its backend, then its blocks."""
+    return [_lines((backend_id, *request.blocks)) for backend_id, request in ended]
+
+
 def _packed_flight(in_flight: dict[int, str]) -> str:
     return "\n".join(f"{claim_id}\n{backend}" for claim_id, backend in in_flight.items())
 
@@ -586,7 +596,8 @@ class SharedPlacement:
         self._load_ttl_s = load_ttl_s
         self._load_ttl_ms = str(max(1, round(load_ttl_s * 1000)))
         self._pin_ttl_ms = str(max(1, round(pin_ttl_s * 1000))) if pin_ttl_s > 0 else ""
-        self._unpins: list[str] = []  # requests ended whose pins the store has not let go of yet
+        # Requests ended whose pins the store has not let go of yet, and the backend they are on.
+        self._unpins: list[tuple[str, ClaimRequest]] = []
         self._batching = False  # the background loop sends them, every LOAD_FLUSH_S
         self.replica = secrets.token_hex(8)  # this process, in marks and in-flight counts
         self._marks = itertools.count(1)
@@ -698,7 +709,7 @@ class SharedPlacement:
         if self._up and self._unpins:
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(self._timeout_s):
-                    await self._unpin(args=[self._namespace, *self._unpins])
+                    await self._unpin(args=[self._namespace, *_unpin_groups(self._unpins)])
         self._unpins.clear()
         for task in list(self._pending):
             task.cancel()
@@ -732,9 +743,9 @@ class SharedPlacement:
             int(request.capacity_bytes),
             self._max_entries,
             request.follow,
-            "\n".join(map(str, request.blocks)),
-            "\n".join(map(str, request.sizes)),
-            "\n".join(request.listed),
+            _lines(request.blocks),
+            _lines(request.sizes),
+            _lines(request.listed),
             mark,
             "1" if request.wait and self._subscribed else "0",
             self._mark_ttl_ms or "1",
@@ -803,8 +814,8 @@ class SharedPlacement:
             backend_id,
             int(capacity_bytes),
             self._max_entries,
-            "\n".join(map(str, request.blocks)),
-            "\n".join(map(str, request.sizes)),
+            _lines(request.blocks),
+            _lines(request.sizes),
         ]
         self._background(self._touch, args)
 
@@ -813,7 +824,7 @@ class SharedPlacement:
         ended: the store lets go of them with the next batch (background)."""
         if not self._pin_ttl_ms or not request.blocks:
             return
-        self._unpins.append(backend_id + "\n" + "\n".join(map(str, request.blocks)))
+        self._unpins.append((backend_id, request))
         if not self._batching:
             self._send_unpins()
 
@@ -822,9 +833,9 @@ class SharedPlacement:
         are dropped, and their pins expire."""
         if not self._unpins:
             return
-        groups, self._unpins = self._unpins, []
+        ended, self._unpins = self._unpins, []
         if self._up:
-            self._background(self._unpin, [self._namespace, *groups])
+            self._background(self._unpin, [self._namespace, *_unpin_groups(ended)])
 
     def prefilled(self, mark: str, request: ClaimRequest, backend_id: str) -> None:
         """The prefill under `mark` on `backend_id` ended: its marks go and the replicas hear it
@@ -833,7 +844,7 @@ class SharedPlacement:
             return
         # Even while the store is called down (it may only be slow): other replicas' requests may be
         # waiting for this, until prefill_wait_s.
-        blocks = "\n".join(map(str, request.blocks))
+        blocks = _lines(request.blocks)
         args: list[str | int] = [self._namespace, mark, blocks, backend_id, self._mark_ttl_ms or "1"]
         self._background(self._prefilled, args)
 
@@ -969,8 +980,8 @@ class SharedPlacement:
             int(target_capacity_bytes),
             self._max_entries,
             takeover.after,
-            "\n".join(map(str, request.blocks)),
-            "\n".join(map(str, request.sizes)),
+            _lines(request.blocks),
+            _lines(request.sizes),
             self._pin_ttl_ms,
         ]
         self._background(self._takeover, args)
