@@ -328,8 +328,9 @@ async def test_a_claim_answered_too_late_leaves_no_mark_for_others_to_wait_on(
     """A claim whose answer comes after its timeout (a busy router's loop, a slow network) has run in
     the store all the same, marking its blocks pending under a prefill whose end its replica would
     never say: it routed locally, without the mark. Another replica's request would then wait out
-    prefill_wait_s for nothing. The mark is said ended at the timeout (or the cancellation), and a
-    claim that runs after that marks nothing."""
+    prefill_wait_s for nothing, and its pins would hold blocks no request holds. The mark is said
+    ended and the claim given up at the timeout (or the cancellation): its pins go, and a claim that
+    runs after that marks nothing."""
     relay = PartitionRelay(redis_server.port)
     await relay.start()
     slow = SharedPlacement(f"redis://127.0.0.1:{relay.port}/0", 0.2, CollectorRegistry(), prefill_wait_s=5.0)
@@ -346,6 +347,8 @@ async def test_a_claim_answered_too_late_leaves_no_mark_for_others_to_wait_on(
         relay.heal()
         pending = [f"{NAMESPACE}p:{b}" for b in (1, 2, 3)]
         await eventually_equal(lambda: raw.mget(pending), [None, None, None], timeout_s=2.0)
+        # Nor pins: no request of this replica's holds those blocks on X (it routed locally).
+        await eventually_equal(lambda: pinned(raw, "X"), {}, timeout_s=2.0)
         request = ClaimRequest((1, 2, 3, 4), (100,) * 4, "0111", "Y", BIG, (), "", True)
         follower = await claimed(other, request)
         assert (follower.chosen, follower.wait_for) == ("X", "")
@@ -359,6 +362,7 @@ async def test_a_claim_answered_too_late_leaves_no_mark_for_others_to_wait_on(
         relay.heal()
         pending = [f"{NAMESPACE}p:{b}" for b in (7, 8)]
         await eventually_equal(lambda: raw.mget(pending), [None, None], timeout_s=2.0)
+        await eventually_equal(lambda: _pinned_among(raw, "X", {7, 8}), set(), timeout_s=2.0)
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -377,6 +381,25 @@ async def test_a_claim_that_runs_after_its_mark_was_said_ended_marks_nothing(sto
     assert answer.chosen == "X" and not answer.marked
     assert await raw.mget([f"{NAMESPACE}p:1", f"{NAMESPACE}p:2"]) == [None, None]
     assert 0 < await raw.pttl(f"{NAMESPACE}e:{late.mark}") <= 5000  # gone with the marks it outlives
+
+
+async def test_a_claim_that_runs_after_its_replica_gave_up_on_it_pins_nothing(store: Any, raw: Redis) -> None:
+    """The give-up sent at the timeout reaches the store before the claim: the claim places and
+    counts as ever, but pins nothing, since the request it stood for went elsewhere. Both the give-up
+    and the receipt of a claim that pinned expire."""
+    shared = await store()
+    request = claim([1, 2], "X")
+    first_id = 1  # a new replica's claims are numbered from 1
+    await raw.eval(shared_state.GIVE_UP_SCRIPT, 0, NAMESPACE, shared.replica, first_id, "1\n2", 5000)
+    answer = await claimed(shared, request)
+    assert answer.chosen == "X" and await owners(raw, [1, 2]) == ["X", "X"]
+    assert await pinned(raw, "X") == {}
+    assert 0 < await raw.pttl(f"{NAMESPACE}x:{shared.replica}:{first_id}") <= 5000
+    await claimed(shared, claim([3], "X"))
+    assert await pinned(raw, "X") == {3: 1}
+    receipt = f"{NAMESPACE}pc:{shared.replica}:{first_id + 1}"
+    assert await raw.get(receipt) == "X"
+    assert 0 < await raw.pttl(receipt) <= shared_state.CLAIM_RECEIPT_TTL_S * 1000
 
 
 async def test_a_wrong_reply_is_counted_and_said_once_without_calling_the_store_down(

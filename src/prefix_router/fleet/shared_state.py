@@ -24,15 +24,17 @@ counted it is written at once.
 Pins: a claim pins the request's blocks on the backend it placed them on (a take-over moves them), and
 eviction passes them over, as the engine keeps a running request's blocks; the request's end lets go
 of them in a background write batched every LOAD_FLUSH_S. Each expires after PIN_TTL_S, so a replica
-gone leaves none; a claim that timed out may leave its pins until then.
+gone leaves none. A claim the replica stopped waiting for is given up (`x:<replica>:<claim>`, and its
+receipt `pc:<replica>:<claim>` says where it pinned): it pins nothing if it runs later, and its pins go
+if it ran.
 
 Keys, under NAMESPACE: `o:<block>` the block's owner; per backend `lru:<backend>` (a sorted set of
 blocks by the shared clock's reading of their last use), `size:<backend>` (bytes of each block);
 `used`, `count` and `cap` (hashes by backend: bytes placed, entries, capacity); `clock`; `p:<block>`,
 `e:<mark>` (a prefill said ended), `w:<mark>` (requests held for it, per replica), `ld:<replica>`,
 `cl:<replica>`, `replicas` as above; `pin:<backend>:<block>`, the requests in flight holding the block
-there (pins, above). Scripts touch keys they derive, so the store must be one Redis (6.2 or later) or
-Valkey, not a cluster.
+there, `pc:` and `x:` (pins, above). Scripts touch keys they derive, so the store must be one Redis
+(6.2 or later) or Valkey, not a cluster.
 """
 
 from __future__ import annotations
@@ -71,6 +73,10 @@ ENDED_KEPT = 1024  # prefills whose end was heard, kept for a waiter whose claim
 # A request's pins outlive its claim by this much at most: a replica that dies leaves none after it.
 # A request that runs longer loses them, and its blocks age from its claim on, as they did unpinned.
 PIN_TTL_S = 300.0
+# A claim that pinned leaves a receipt of where for this long; a replica that gave up waiting for a
+# claim (timed out) says so for as long: one that runs after that pins nothing, one that ran before
+# is unpinned. A give-up later than this leaves the claim's pins to PIN_TTL_S.
+CLAIM_RECEIPT_TTL_S = 10.0
 BACKGROUND_TIMEOUT_S = 1.0  # at least, for calls no request waits on: a slow store may still take them
 # The subscription quiet this long is pinged, and lost when the next quiet spell brings no answer: a
 # connection that died without a word (a partition, a peer gone without a reset) would stay quiet,
@@ -264,7 +270,8 @@ end
 # marks' lifetime (ms), this replica, its in-flight pairs (with pairs of 'held <backend>' and the bytes
 # its requests in flight hold there), their lifetime (ms), the follow limit ('0': none), its other
 # claims awaiting their answer (pairs of claim id and backend proposed), this claim's id, the pins'
-# lifetime (ms; '': the request's blocks are not pinned on the chosen backend). The reply is
+# lifetime (ms; '': the request's blocks are not pinned on the chosen backend), the lifetime of the
+# receipt of where they were pinned and of a give-up (ms, GIVE_UP_SCRIPT). The reply is
 # one newline-joined string: chosen, depth, followed, the mark to wait for ('-' none), marked, the
 # bytes this claim added to the chosen backend's footprint, which listed backends also hold the prefix
 # followed (one '0' or '1' each; '-' when none was followed), the backend the request is counted on,
@@ -336,7 +343,12 @@ for i = 1, n do
 end
 if #unowned > 0 then redis.call('MSET', unpack(unowned)) end
 local pin_ttl = ARGV[18]
+-- A claim its replica gave up on (timed out) before it ran pins nothing; one that pins leaves a
+-- receipt of where, so that a replica giving up on it after it ran can let go of its pins.
+local token = me .. ':' .. claim_id
+if pin_ttl ~= '' and redis.call('EXISTS', ns .. 'x:' .. token) == 1 then pin_ttl = '' end
 local taken = pin_ttl ~= '' and pin(chosen, blocks, sizes, pin_ttl)
+if taken then redis.call('SET', ns .. 'pc:' .. token, chosen, 'PX', ARGV[19]) end
 local added = record(chosen, capacity_of(chosen), max_entries, blocks, sizes)
 -- The KV room the request takes there: the bytes of its blocks no request in flight held (without
 -- pins, the bytes new to the footprint).
@@ -509,6 +521,25 @@ return 1
 """
 )
 
+# ARGV: namespace, this replica, the id of a claim it gave up waiting for, that claim's blocks, the
+# lifetime of the give-up (ms). The claim may have run (its receipt says where it pinned the blocks:
+# they are let go of) or may yet (it will pin nothing).
+GIVE_UP_SCRIPT = (
+    _RECORD
+    + """
+local token = ARGV[2] .. ':' .. ARGV[3]
+local receipt = ns .. 'pc:' .. token
+local backend = redis.call('GET', receipt)
+if backend then
+  unpin(backend, split(ARGV[4]))
+  redis.call('DEL', receipt)
+else
+  redis.call('SET', ns .. 'x:' .. token, '1', 'PX', ARGV[5])
+end
+return 1
+"""
+)
+
 # ARGV: namespace, this replica, its in-flight pairs, their lifetime (ms), its claims awaiting their
 # answer (pairs of claim id and backend proposed), the last claim id it issued.
 LOAD_SCRIPT = (
@@ -582,6 +613,7 @@ class SharedPlacement:
         load_ttl_s: float = LOAD_TTL_S,
         subscription_ping_s: float = SUBSCRIPTION_PING_S,
         pin_ttl_s: float = PIN_TTL_S,
+        receipt_ttl_s: float = CLAIM_RECEIPT_TTL_S,
     ) -> None:
         self._url = url
         self._timeout_s = timeout_s
@@ -596,6 +628,7 @@ class SharedPlacement:
         self._load_ttl_s = load_ttl_s
         self._load_ttl_ms = str(max(1, round(load_ttl_s * 1000)))
         self._pin_ttl_ms = str(max(1, round(pin_ttl_s * 1000))) if pin_ttl_s > 0 else ""
+        self._receipt_ttl_ms = str(max(1, round(receipt_ttl_s * 1000)))
         # Requests ended whose pins the store has not let go of yet, and the backend they are on.
         self._unpins: list[tuple[str, ClaimRequest]] = []
         self._batching = False  # the background loop sends them, every LOAD_FLUSH_S
@@ -630,6 +663,7 @@ class SharedPlacement:
         self._write_load = self._redis.register_script(LOAD_SCRIPT)
         self._touch = self._redis.register_script(TOUCH_SCRIPT)
         self._unpin = self._redis.register_script(UNPIN_SCRIPT)
+        self._give_up = self._redis.register_script(GIVE_UP_SCRIPT)
         self._scripts = (
             self._claim,
             self._takeover,
@@ -637,6 +671,7 @@ class SharedPlacement:
             self._write_load,
             self._touch,
             self._unpin,
+            self._give_up,
         )
         self._up = False
         self._timeouts = 0
@@ -756,6 +791,7 @@ class SharedPlacement:
             flight,
             claim_id,
             self._pin_ttl_ms,
+            self._receipt_ttl_ms,
         ]
         answer: ClaimAnswer | None = None
         try:
@@ -771,6 +807,12 @@ class SharedPlacement:
                 # Timed out, unreadable or cancelled: the claim may have run, or may yet. Its marks
                 # must not hold other replicas' requests for a prefill nobody will say has ended.
                 self.prefilled(mark, request, request.proposed)
+            if answer is None and self._pin_ttl_ms and request.blocks:
+                # Its pins, if it made any, would hold blocks no request of ours holds.
+                blocks = _lines(request.blocks)
+                self._background(
+                    self._give_up, [self._namespace, self.replica, claim_id, blocks, self._receipt_ttl_ms]
+                )
         self._timeouts = 0
         counts[answer.counted_on] = counts.get(answer.counted_on, 0) + 1  # as the script wrote them
         if answer.taken:
