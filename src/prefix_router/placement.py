@@ -454,7 +454,12 @@ class Placer:
             return backend_id not in full and picker.may_follow(backend_id, candidates, load)
 
         resolution = resolve(
-            local, answer, candidates.members, follows, lambda: picker.pick(key, ring, candidates, load)
+            local,
+            answer,
+            candidates.members,
+            follows,
+            lambda: picker.pick(key, ring, candidates, load),
+            picker.owner_rank,
         )
         if answer.added and resolution.takeover is None:  # else the take-over moves those bytes
             picker.shared_footprints(answer.figures)

@@ -176,6 +176,35 @@ def test_cache_room_respects_the_load_bound() -> None:
     assert decision is not None and decision.branch is Branch.FALLBACK
 
 
+def test_new_conversations_behind_a_shared_system_prompt_go_to_its_roomiest_owner() -> None:
+    """A system prompt that covers most of a first turn is followed; once two backends hold it,
+    each new conversation goes to the owner whose cache has more room (where it will grow), not
+    all to the first one, which the load floor would let take every one of them."""
+    ring, cands = fleet(3)
+    picker = Picker(BalanceConfig())
+    for backend in cands.ids:
+        picker.set_capacity(backend, 40_000)
+    system = ("system", text(7, 3000))
+    first, second = cands.ids[0], cands.ids[1]
+    for backend in (first, second):
+        opening = chat(system, ("user", text(8, 40)))
+        picker.chosen(opening, backend)
+        picker.placed(opening, backend)
+        picker.ended(opening, backend)
+    busy = chat(("system", text(9, 1500)), ("user", "q"))  # the first owner's cache is fuller
+    picker.chosen(busy, first)
+    picker.placed(busy, first)
+    picker.ended(busy, first)
+    turn = chat(system, ("user", text(10, 1500)))
+    decision = picker.pick(turn, ring, cands, LoadTracker())
+    assert decision is not None and decision.branch is Branch.PREFIX_MATCH
+    assert decision.backend_id == second
+    homes = Counter(
+        place(picker, chat(system, ("user", text(100 + c, 1500))), ring, cands) for c in range(12)
+    )
+    assert set(homes) == {first, second} and min(homes.values()) >= 4, homes
+
+
 # -- the ledgers ------------------------------------------------------------------------------------
 
 

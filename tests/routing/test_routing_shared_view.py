@@ -335,3 +335,32 @@ def test_an_owner_at_its_bound_spills_to_the_next_holder_of_the_prefix_in_the_wa
     # Not followed (the prefix covers too little): holders do not matter.
     thin = ClaimAnswer("Y", 1, False, (), holders=("Z",))
     assert resolve(LOCAL, thin, usable, {"X", "Z"}.__contains__, none).decision == LOCAL
+
+
+def test_a_followed_prefix_other_backends_hold_goes_to_the_roomiest_holder() -> None:
+    """One system prompt shared by every conversation has one shared owner: each replica ranks its
+    holders by cache room, as one router ranks its index's owners, so new conversations spread."""
+    holders = ClaimAnswer("X", 3, True, (), holders=("Z", "Y"))
+    usable = {"X", "Y", "Z"}
+    anyone = usable.__contains__
+    ranks = {"X": (0, -100.0), "Y": (0, -500.0), "Z": (0, -300.0)}
+
+    def none() -> Decision | None:
+        return None
+
+    roomiest = resolve(LOCAL, holders, usable, anyone, none, ranks.__getitem__)
+    assert roomiest.decision == Decision("Y", Branch.PREFIX_MATCH)
+    assert roomiest.takeover == Takeover("X", "Y", 3)  # the conversation's own blocks go with it
+    # The owner wins a tie, with its pending prefill's mark.
+    waiting = ClaimAnswer("X", 3, True, (), "r:7", holders=("Z", "Y"))
+    tie = {"X": (0, -300.0), "Y": (0, -300.0), "Z": (0, -300.0)}
+    kept = resolve(
+        Decision("X", Branch.PREFIX_MATCH), waiting, usable, {"X", "Z"}.__contains__, none, tie.__getitem__
+    )
+    assert (kept.decision.backend_id, kept.takeover, kept.wait_for) == ("X", None, "r:7")
+    # A holder at its bound is passed over.
+    assert resolve(
+        LOCAL, holders, usable, {"X", "Z"}.__contains__, none, ranks.__getitem__
+    ).decision == Decision("Z", Branch.PREFIX_MATCH)
+    # Without ranks (first_placement: ring), the owner keeps it.
+    assert resolve(LOCAL, holders, usable, anyone, none).decision == Decision("X", Branch.PREFIX_MATCH)

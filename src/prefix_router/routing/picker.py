@@ -8,9 +8,9 @@ sent and answered; the policy (routing/policies/) only chooses. No I/O.
 from __future__ import annotations
 
 import random
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 
-from prefix_router.routing.config import BalanceConfig, Policy
+from prefix_router.routing.config import BalanceConfig, FirstPlacement, Policy
 from prefix_router.routing.decision import Branch, Candidates, Decision
 from prefix_router.routing.footprint import FootprintLedgers
 from prefix_router.routing.keys import RoutingKey, block_sizes
@@ -64,6 +64,14 @@ class Picker:
     @property
     def ledgers(self) -> FootprintLedgers | None:
         return self._ledgers
+
+    @property
+    def owner_rank(self) -> Callable[[str], tuple[int, float]] | None:
+        """How the policy ranks a prefix's owners (cache room, with `first_placement: cache_room`),
+        for the owners the shared store names; None: the first holder first."""
+        if self._ledgers is None or self._config.first_placement is not FirstPlacement.CACHE_ROOM:
+            return None
+        return self._ledgers.rank
 
     @property
     def prefilling(self) -> int:

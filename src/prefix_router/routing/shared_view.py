@@ -125,6 +125,7 @@ def resolve(
     usable: Collection[str],
     may_follow: Callable[[str], bool],
     repick: Callable[[], Decision | None] | None = None,
+    rank: Callable[[str], tuple[int, float]] | None = None,
 ) -> Resolution:
     """The final decision: the shared owner when it is usable and under max_inflight, else the
     local decision (and the blocks the claim gave the owner move to it).
@@ -136,8 +137,20 @@ def resolve(
     would otherwise all take the backend that was roomiest before any of them. A local follow the
     store does not confirm is one too: the store aged the prefix out of that backend (each replica's
     own ledgers count only its own placements, so its index keeps owners the fleet has evicted); the
-    caller forgets them (Picker.forget_placed) before `repick` runs."""
+    caller forgets them (Picker.forget_placed) before `repick` runs.
+
+    With `rank` (the ledgers' rank, on this answer's footprints), a followed prefix that other
+    backends hold too goes to the holder whose cache keeps things longest, the owner on a tie, as
+    one router ranks its index's owners: a system prompt every conversation starts with has one
+    shared owner, and would herd every new conversation there."""
     chosen = answer.chosen
+    if rank is not None and answer.followed and answer.holders:
+        choices = [b for b in (chosen, *answer.holders) if b in usable and may_follow(b)]
+        best = min(choices, key=rank, default=chosen)  # the first of the best: the owner on a tie
+        if best != chosen:
+            after = answer.depth if chosen in usable else 0
+            decision = local if best == local.backend_id else Decision(best, Branch.PREFIX_MATCH)
+            return Resolution(decision, Takeover(chosen, best, after))
     first = (
         repick is not None
         and chosen == local.backend_id

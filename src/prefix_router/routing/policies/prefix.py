@@ -1,10 +1,12 @@
 """Our policy: the prefix index, then cache room or the ring walk, within the load bound.
 
 Order of preference:
-1. the owners the prefix index knows for the longest known prefix (`prefix_match`), first holder
-   first, when that prefix covers at least `follow_threshold` of the request (SGLang's match ratio,
-   Preble's exploit/explore split): a system prompt that all traffic shares is cached everywhere
-   soon enough and must not herd new conversations onto the backends that first took it. An owner
+1. the owners the prefix index knows for the longest known prefix (`prefix_match`), when that prefix
+   covers at least `follow_threshold` of the request (SGLang's match ratio, Preble's exploit/explore
+   split): a system prompt that all traffic shares is cached everywhere soon enough and must not herd
+   new conversations onto the backends that first took it. With ledgers, the owner whose cache keeps
+   things longest first (every owner has the prefix: the conversation it starts grows where its cache
+   has room), the first holder on a tie; without, the first holder first. An owner
    takes the request within the relative bound, and up to `max_inflight` while a request in flight
    there holds the prefix: waiting in a warm engine's queue costs less than a cold prefill elsewhere,
    and a hot prefix spread by the relative bound over more backends takes their caches from the
@@ -62,6 +64,7 @@ class PrefixPolicy:
         "_free_now",
         "_index",
         "_ledgers",
+        "_owner_rank",
         "_prefills",
         "_threshold",
         "_under_floor",
@@ -83,6 +86,7 @@ class PrefixPolicy:
         self._ledgers = ledgers
         self._free_now: dict[str, float] = ledgers.free_now if ledgers is not None else {}
         self._by_room = ledgers is not None and config.first_placement is FirstPlacement.CACHE_ROOM
+        self._owner_rank = ledgers.rank if ledgers is not None and self._by_room else None
         self._threshold = config.follow_threshold
         self._prefills = prefills
 
@@ -115,8 +119,8 @@ class PrefixPolicy:
 
         if self._index is not None and key.blocks:
             # Owners in the order they took the prefix: the first holder keeps it while it is below
-            # max_inflight, so one spill does not rotate a group over the fleet (each cache would then
-            # have to hold every group).
+            # max_inflight and no other owner's cache has more room, so one spill does not rotate a
+            # group over the fleet (each cache would then have to hold every group).
             known, owners = self._index.longest_match(key.blocks)
             threshold = self._threshold
             prefilling: Holders = ()
@@ -133,6 +137,10 @@ class PrefixPolicy:
                             prefilling = holders
                             break
             if covers(key, known, threshold):
+                if self._owner_rank is not None and len(owners) > 1:
+                    # A prompt shared by many conversations has several owners: each new one goes to
+                    # the roomiest, not all to the first (herded there up to the load floor).
+                    owners = tuple(sorted(owners, key=self._owner_rank))
                 for owner in owners:
                     if owner not in usable_set:
                         continue
