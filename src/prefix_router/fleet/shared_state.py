@@ -942,7 +942,7 @@ class SharedPlacement:
                 self._subscribed = False
                 self._wake_all()
                 with contextlib.suppress(Exception):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+                    await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]  # typed from redis-py 8.2
             await asyncio.sleep(self._reconnect_interval_s)
 
     def _heard(self, data: object) -> None:
