@@ -111,3 +111,16 @@ def test_cli_help_documents_every_flag() -> None:
     assert done.returncode == 0
     for flag in ("--config", "--backend", "--host", "--port", "--policy", "--max-inflight", "--prefix-chars"):
         assert flag in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("first_placement", "preamble_share"),
+    [pytest.param("cache_room", 0.5, id="cache-room"), pytest.param("ring", None, id="ring")],
+)
+def test_the_preamble_alone_is_a_ring_key_only_where_cache_room_places(
+    first_placement: str, preamble_share: float | None
+) -> None:
+    """Placed by the ring, a system prompt as the ring key would send every conversation behind it to
+    one backend from every replica."""
+    s = load_settings(None, {"routing": {"first_placement": first_placement}}, environ=False)
+    assert s.key_config().preamble_share == preamble_share

@@ -305,7 +305,8 @@ class RoutingSettings(_Section):
         FirstPlacement.CACHE_ROOM,
         description="Where a prefix goes that no backend holds enough of. cache_room: the backend whose "
         "cache keeps things longest (best for one router, or replicas with shared state); ring: the ring's "
-        "choice, which stateless replicas agree on.",
+        "choice, which stateless replicas agree on (the ring key then takes the first message after the "
+        "preamble, and the prefix index is followed only past the ring key).",
     )
     kv_capacity_tokens: int | None = Field(
         None,
@@ -526,7 +527,9 @@ class Settings(BaseModel):
             r.max_key_bytes,
             "prompt_cache_key" if r.trust_prompt_cache_key else None,
             r.ring_key,
-            r.follow_threshold,
+            # Placed by the ring, the preamble alone would send every conversation behind one system
+            # prompt to the same backend from every replica.
+            r.follow_threshold if r.first_placement is FirstPlacement.CACHE_ROOM else None,
         )
 
     def balance_config(self) -> BalanceConfig:

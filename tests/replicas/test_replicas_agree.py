@@ -9,6 +9,7 @@ real routers in front of the same fake backends.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import random
 from typing import Any
@@ -101,6 +102,40 @@ def test_pickers_agree_after_learning_their_own_placements() -> None:
             disagreements += len(picks) != 1
             messages.append({"role": "assistant", "content": f"answer {turn} " * 30})
     assert disagreements == 0
+
+
+def test_stateless_replicas_spread_conversations_behind_one_system_prompt_and_agree_on_each() -> None:
+    """What the chart renders for replicas without shared state (`first_placement: ring`), on traffic
+    where one 2,000-character system prompt, most of every first turn, starts every conversation. Each
+    turn goes to one replica, round robin, and each replica learns only its own placements: every turn
+    of a conversation still lands on one backend, and the conversations spread over the fleet rather
+    than all following the system prompt to the backend that took it first."""
+    urls = [f"http://10.0.1.{i}:8000" for i in range(1, 5)]
+    apps = [
+        create_app(router_settings(order, routing={"first_placement": "ring"})) for order in _orders(urls)
+    ]
+    key_config = apps[0].settings.key_config()
+    system = "You answer questions about our product. " * 50  # 2,000 characters, shared by all
+    replica = itertools.cycle(apps)
+    homes: dict[int, set[str]] = {}
+    for turn in range(3):
+        for conv in range(200):
+            messages: list[dict[str, str]] = [{"role": "system", "content": system}]
+            for t in range(turn + 1):
+                messages.append({"role": "user", "content": f"question {t} of conversation {conv}"})
+                if t < turn:
+                    messages.append({"role": "assistant", "content": f"answer {t} of {conv} " * 20})
+            key = extract_key(CHAT, orjson.dumps({"model": "m", "messages": messages}), None, key_config)
+            app = next(replica)
+            decision = app.picker.pick(key, app.backends.ring, app.backends.candidates, app.backends.load)
+            assert decision is not None
+            app.picker.placed(key, decision.backend_id)
+            homes.setdefault(conv, set()).add(decision.backend_id)
+    moved = [conv for conv, backends in homes.items() if len(backends) != 1]
+    assert not moved, f"{len(moved)} of 200 conversations moved backend between turns"
+    per_backend = collections.Counter(next(iter(backends)) for backends in homes.values())
+    assert set(per_backend) == set(urls)
+    assert max(per_backend.values()) < 200 / len(urls) * 2, per_backend
 
 
 async def test_three_routers_send_the_same_keys_to_the_same_backends(fake_backends: Any, router: Any) -> None:

@@ -334,6 +334,47 @@ def test_where_a_conversations_ring_key_ends(system: str | None, question: str, 
     assert end == expected
 
 
+@pytest.mark.parametrize(
+    ("system", "question", "ends_at"),
+    [
+        pytest.param(LONG_SYSTEM, "q" * 200, "first-message", id="long-system-short-question"),
+        pytest.param(None, "q" * 200, "first-message", id="no-system"),
+        pytest.param("s" * 5000, "q", "limit", id="preamble-past-prefix-chars"),
+    ],
+)
+def test_without_a_preamble_share_the_first_message_always_joins_the_ring_key(
+    system: str | None, question: str, ends_at: str
+) -> None:
+    messages = ([("system", system)] if system is not None else []) + [("user", question)]
+    text = openai_text(CHAT, chat(*messages, ("assistant", "an answer"), ("user", "a follow-up")))
+    preamble = 0 if system is None else len(ROLE_MARK["system"]) + len(system)
+    first_message = min(4096, preamble + len(ROLE_MARK["user"]) + len(question))
+    assert conversation_end(text, 4096, None) == (4096 if ends_at == "limit" else first_message)
+
+
+@pytest.mark.parametrize(
+    ("config", "system", "ring_bytes"),
+    [
+        pytest.param(
+            KeyConfig(preamble_share=None),
+            LONG_SYSTEM,
+            len(ROLE_MARK["system"] + LONG_SYSTEM + ROLE_MARK["user"]) + 200,
+            id="ends-at-the-first-message",
+        ),
+        pytest.param(
+            KeyConfig(), LONG_SYSTEM, len(ROLE_MARK["system"] + LONG_SYSTEM), id="ends-at-the-preamble"
+        ),
+        pytest.param(KeyConfig(), "s" * 5000, 0, id="cut-at-prefix-chars"),
+        pytest.param(KeyConfig(ring_key=RingKey.PREFIX), LONG_SYSTEM, 0, id="ring-key-prefix"),
+    ],
+)
+def test_a_key_says_how_much_of_it_a_ring_key_ending_at_a_message_holds(
+    config: KeyConfig, system: str, ring_bytes: int
+) -> None:
+    body = chat(("system", system), ("user", "q" * 200), ("assistant", "an answer"), ("user", "more"))
+    assert key(CHAT, body, config=config).ring_bytes == ring_bytes
+
+
 def _common_prefix_len(a: bytes, b: bytes) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import random
 
+import orjson
 import pytest
 
 from keykit import bare_key
-from prefix_router.routing.config import BalanceConfig, FirstPlacement
+from prefix_router.routing.config import BalanceConfig, FirstPlacement, KeyConfig
 from prefix_router.routing.decision import Branch, Candidates
+from prefix_router.routing.keys import RoutingKey, extract_key
 from prefix_router.routing.load import LoadTracker
 from prefix_router.routing.policies import Policy as RoutingPolicy
 from prefix_router.routing.policies.baseline import LeastLoadedPolicy, RandomPolicy, RoundRobinPolicy
@@ -33,6 +35,54 @@ def test_the_prefix_policy_follows_an_index_fed_from_outside() -> None:
     index.forget_backend(far)
     decision = policy.pick(bare_key(7, (1, 2, 3)), RING, ALL, LoadTracker(), wait=False)
     assert (decision.backend_id, decision.branch) == (RING.primary(7), Branch.AFFINITY)
+
+
+SYSTEM = "You answer questions about our product. " * 50  # 2,000 characters, before every conversation
+RING_KEYS = KeyConfig(preamble_share=None)  # as settings build it for first placements by the ring
+
+
+def _turn(conversation: int, turns: int) -> RoutingKey:
+    messages = [{"role": "system", "content": SYSTEM}]
+    for t in range(turns):
+        if t:
+            messages.append({"role": "assistant", "content": f"answer {t} of {conversation} " * 60})
+        messages.append({"role": "user", "content": f"question {t} of conversation {conversation}"})
+    body = orjson.dumps({"model": "m", "messages": messages})
+    return extract_key("/v1/chat/completions", body, None, RING_KEYS)
+
+
+@pytest.mark.parametrize(
+    ("first_placement", "follows"),
+    [
+        pytest.param(FirstPlacement.RING, False, id="ring-places-it"),
+        pytest.param(FirstPlacement.CACHE_ROOM, True, id="cache-room-follows"),
+    ],
+)
+def test_a_known_system_prompt_inside_the_ring_key_is_left_to_the_ring(
+    first_placement: FirstPlacement, follows: bool
+) -> None:
+    """With first placements by the ring, a replica that placed other conversations knows the system
+    prompt that is most of a new one's first turn; the ring, which every replica shares, places it."""
+    new = _turn(1, 1)
+    far = list(RING.walk(new.ring_hash))[-1]
+    index = PrefixIndex(1000)
+    index.record(_turn(0, 1).blocks, far)
+    policy = PrefixPolicy(BalanceConfig(first_placement=first_placement), index, None, PendingPrefills())
+    decision = policy.pick(new, RING, ALL, LoadTracker(), wait=False)
+    expected = (far, Branch.PREFIX_MATCH) if follows else (RING.primary(new.ring_hash), Branch.AFFINITY)
+    assert (decision.backend_id, decision.branch) == expected
+
+
+def test_with_ring_placements_a_conversation_is_followed_past_its_ring_key() -> None:
+    """The replica that placed a conversation's turn knows blocks past the ring key: it follows them
+    there, as where the turn really went (a spill) is the cache that holds them."""
+    turn = _turn(1, 3)
+    far = list(RING.walk(turn.ring_hash))[-1]
+    index = PrefixIndex(1000)
+    index.record(_turn(1, 2).blocks, far)
+    policy = PrefixPolicy(BalanceConfig(first_placement=FirstPlacement.RING), index, None, PendingPrefills())
+    decision = policy.pick(turn, RING, ALL, LoadTracker(), wait=False)
+    assert (decision.backend_id, decision.branch) == (far, Branch.PREFIX_MATCH)
 
 
 def test_the_prefix_policy_answers_a_pending_prefill_with_its_ticket_only_when_asked_to_wait() -> None:

@@ -45,7 +45,10 @@ class KeyConfig:
     max_key_bytes: int = 262144
     tenant_body_field: str | None = "prompt_cache_key"  # OpenAI's field; None: header only
     ring_key: RingKey = RingKey.CONVERSATION
-    preamble_share: float = 0.5  # of the first exchange, for the preamble alone to be the ring key
+    # Of the first exchange, for the preamble alone to be the ring key; None: never (first placements
+    # by the ring, where a preamble key would send every conversation behind one system prompt to
+    # one backend on every replica).
+    preamble_share: float | None = 0.5
 
 
 @dataclass(frozen=True, slots=True)

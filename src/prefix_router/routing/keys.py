@@ -55,6 +55,10 @@ class RoutingKey:
     # Byte span of the last assistant message in the key material ((0, 0): none). The backend that
     # took the previous turn generated that reply, so its cache holds it though no request carried it.
     reply: tuple[int, int] = field(default=(0, 0), compare=False)
+    # Bytes of key material the ring key covers when it ends at a message's end, short of
+    # prefix_chars (0: it is cut at prefix_chars or prefix_bytes): that much of the request, the ring
+    # places alike on every replica.
+    ring_bytes: int = field(default=0, compare=False)
 
     def covered_bytes(self, known_blocks: int) -> int:
         """Bytes of key material a backend holding the first `known_blocks` blocks has cached: those
@@ -119,6 +123,8 @@ def extract_key(path: str, body: bytes, tenant: str | None, config: KeyConfig) -
                 material = text[:ring_end].encode("utf-8", "surrogatepass")
             key = _key(_OPENAI, material, encoded[: config.max_key_bytes], tenant, model, config, streaming)
             key.reply = _reply_span(text, encoded, config.max_key_bytes)
+            if ring_end < config.prefix_chars:
+                key.ring_bytes = len(material)
             return key
 
     if parsed:
@@ -146,10 +152,10 @@ _RING_CONVERSATION = RingKey.CONVERSATION
 MIN_PREAMBLE_CHARS = 1024
 
 
-def conversation_end(text: str, limit: int, preamble_share: float) -> int:
+def conversation_end(text: str, limit: int, preamble_share: float | None) -> int:
     """Where the ring key of rendered OpenAI text ends: the end of the preamble when it is at least
-    MIN_PREAMBLE_CHARS and `preamble_share` of the first exchange (preamble plus the message after
-    it), else the end of that first message; never past `limit`.
+    MIN_PREAMBLE_CHARS and `preamble_share` (None: never) of the first exchange (preamble plus the
+    message after it), else the end of that first message; never past `limit`.
 
     Both ends stay where they are as a conversation grows, so every turn has the ring position of the
     first, on every replica. Only the first `limit` characters are searched."""
@@ -160,11 +166,11 @@ def conversation_end(text: str, limit: int, preamble_share: float) -> int:
             return limit  # the preamble runs past the limit
     preamble = pos
     # The first message may end past the limit; far enough to weigh the preamble against it is enough.
-    bound = limit if preamble_share <= 0 else max(limit, int(preamble / preamble_share) + 1)
+    bound = limit if not preamble_share else max(limit, int(preamble / preamble_share) + 1)
     first = text.find(_MSG, preamble + 1, bound)
     if first < 0:
         first = min(bound, len(text))
-    if preamble >= MIN_PREAMBLE_CHARS and preamble >= preamble_share * first:
+    if preamble_share is not None and preamble >= MIN_PREAMBLE_CHARS and preamble >= preamble_share * first:
         return preamble
     return min(first, limit)
 

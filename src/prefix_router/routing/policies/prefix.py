@@ -6,7 +6,8 @@ Order of preference:
    split): a system prompt that all traffic shares is cached everywhere soon enough and must not herd
    new conversations onto the backends that first took it. With ledgers, the owner whose cache keeps
    things longest first (every owner has the prefix: the conversation it starts grows where its cache
-   has room), the first holder on a tie; without, the first holder first. An owner
+   has room), the first holder on a tie; without, the first holder first. With `first_placement:
+   ring`, only a prefix that reaches the ring key's end is followed (`covers_ring_key`). An owner
    takes the request within the relative bound, and up to `max_inflight` while a request in flight
    there holds the prefix: waiting in a warm engine's queue costs less than a cold prefill elsewhere,
    and a hot prefix spread by the relative bound over more backends takes their caches from the
@@ -54,12 +55,30 @@ def covers(key: RoutingKey, known_blocks: int, threshold: float) -> bool:
     return known_blocks > 0 and key.covered_bytes(known_blocks) >= threshold * key.size
 
 
+def covers_ring_key(key: RoutingKey, known_blocks: int, threshold: float) -> bool:
+    """`covers`, for first placements by the ring: and do the known blocks reach the ring key's end?
+
+    What the ring key holds, the ring places alike on every replica; a replica's index, which knows
+    only its own placements, is followed for what lies past it (the later turns of a conversation it
+    placed). A system prompt that covers most of a first turn would otherwise take every new
+    conversation to wherever each replica first sent one. The blocks alone count: the last reply is
+    credited to the backend that took the previous turn, but a replica that knows only the system
+    prompt before it, from other conversations, did not take that turn; the ring key, the same over a
+    conversation's turns, did."""
+    return (
+        known_blocks > 0
+        and key.ends[known_blocks - 1] >= key.ring_bytes
+        and covers(key, known_blocks, threshold)
+    )
+
+
 class PrefixPolicy:
     """Reads the index, the ledgers and the pending prefills the picker keeps; never writes them."""
 
     __slots__ = (
         "_by_room",
         "_config",
+        "_enough",
         "_follow_limit",
         "_free_now",
         "_index",
@@ -88,6 +107,7 @@ class PrefixPolicy:
         self._by_room = ledgers is not None and config.first_placement is FirstPlacement.CACHE_ROOM
         self._owner_rank = ledgers.rank if ledgers is not None and self._by_room else None
         self._threshold = config.follow_threshold
+        self._enough = covers_ring_key if config.first_placement is FirstPlacement.RING else covers
         self._prefills = prefills
 
     def pick(
@@ -123,12 +143,13 @@ class PrefixPolicy:
             # group over the fleet (each cache would then have to hold every group).
             known, owners = self._index.longest_match(key.blocks)
             threshold = self._threshold
+            enough = self._enough
             prefilling: Holders = ()
             if wait:
                 # The index learns a placement at its response head, before the prefill is done,
                 # so pending blocks are looked for among the known ones too.
                 pending = self._prefills.deepest(key.blocks, 0)
-                if pending is not None and covers(key, pending[0], threshold):
+                if pending is not None and enough(key, pending[0], threshold):
                     depth, holders = pending
                     for backend, ticket in holders:
                         if backend in usable_set and may_follow(backend):
@@ -136,7 +157,7 @@ class PrefixPolicy:
                                 return Decision(backend, _PREFIX_MATCH, wait_for=ticket)
                             prefilling = holders
                             break
-            if covers(key, known, threshold):
+            if enough(key, known, threshold):
                 if self._owner_rank is not None and len(owners) > 1:
                     # A prompt shared by many conversations has several owners: each new one goes to
                     # the roomiest, not all to the first (herded there up to the load floor).
