@@ -318,7 +318,13 @@ class Unsupported(RuntimeError):
 
 
 def router_command(
-    policy: PolicySpec, urls: Sequence[str], port: int, workdir: Path, tag: str, shared_url: str | None
+    policy: PolicySpec,
+    urls: Sequence[str],
+    port: int,
+    workdir: Path,
+    tag: str,
+    shared_url: str | None,
+    stateless_replica: bool = False,
 ) -> list[str]:
     if policy.kind == "sglang":
         return sglang_router_argv(urls, port)
@@ -333,6 +339,9 @@ def router_command(
         config.setdefault(section, {}).update(values)
     if shared_url:
         config.setdefault("routing", {})["shared_state_url"] = shared_url
+    elif stateless_replica:
+        # As the Helm chart renders several replicas without shared state, unless the policy says.
+        config.setdefault("routing", {}).setdefault("first_placement", "ring")
     path = workdir / f"router-{policy.name}-{tag}.yaml"
     path.write_text(yaml.safe_dump(config))
     return [sys.executable, "-m", "prefix_router", "serve", "--config", str(path)]
@@ -364,7 +373,7 @@ class RouterGroup:
         for i in range(replicas):
             port = free_port()
             listed = list(urls[i:]) + list(urls[:i])
-            cmd = router_command(policy, listed, port, workdir, f"{tag}-{i}", shared_url)
+            cmd = router_command(policy, listed, port, workdir, f"{tag}-{i}", shared_url, replicas > 1)
             self._plan.append(
                 (cmd, f"http://127.0.0.1:{port}", workdir / f"router-{policy.name}-{tag}-{i}.log")
             )

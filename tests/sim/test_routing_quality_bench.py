@@ -13,6 +13,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+import yaml
 
 from prefix_router.loadgen.drivers import RunSummary, client_session
 from prefix_router.loadgen.workloads import distinct_blocks, largest_prompt_blocks, shared_prefix
@@ -62,6 +63,34 @@ def test_replicated_setups_only_for_replicated_policies(rq: ModuleType) -> None:
     assert setups[:5] == [(p.name, "1") for p in rq.POLICIES]
     assert setups[5:] == [("prefix", "3 rr"), ("sglang_cache_aware", "3 rr"), ("prefix", "3 rr shared")]
     assert [s.name for _, s in rq.combinations(rq.POLICIES, 1, True)] == ["1"] * 5
+
+
+@pytest.mark.parametrize(
+    ("settings", "replicas", "shared", "first_placement"),
+    [
+        pytest.param({}, 1, False, None, id="one-router-defaults"),
+        pytest.param({}, 3, False, "ring", id="stateless-replicas-as-the-chart-renders"),
+        pytest.param({}, 3, True, None, id="shared-replicas-defaults"),
+        pytest.param(
+            {"routing": {"first_placement": "cache_room"}}, 3, False, "cache_room", id="the-policy-says"
+        ),
+    ],
+)
+def test_stateless_replicas_of_ours_run_as_the_chart_renders_them(
+    rq: ModuleType, settings: dict[str, Any], replicas: int, shared: bool, first_placement: str | None
+) -> None:
+    policy = rq.PolicySpec("p", settings, replicate=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        group = rq.RouterGroup(
+            policy,
+            ["http://127.0.0.1:1"],
+            replicas,
+            Path(tmp),
+            "t",
+            "redis://127.0.0.1:1/0" if shared else None,
+        )
+        config = yaml.safe_load(Path(group.command.split("--config ")[1]).read_text())
+    assert config.get("routing", {}).get("first_placement") == first_placement
 
 
 def test_the_cache_holds_the_asked_share_of_the_working_set_or_the_floor(rq: ModuleType) -> None:
