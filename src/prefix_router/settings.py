@@ -280,7 +280,10 @@ class RoutingSettings(_Section):
         "(routing/prefix_index.py).",
     )
     prefix_index_entries: int = Field(
-        200_000, ge=1, description="Block hashes the prefix index remembers (LRU); ~40 MB at most."
+        200_000,
+        ge=1,
+        description="Block hashes the prefix index remembers (LRU), and as many chat prompts' ends; "
+        "~70 MB at most.",
     )
     block_bytes: int = Field(
         256, ge=16, description="Prefix-index granularity at the start of the key, in bytes (coarser deeper)."

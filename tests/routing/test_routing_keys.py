@@ -375,6 +375,63 @@ def test_a_key_says_how_much_of_it_a_ring_key_ending_at_a_message_holds(
     assert key(CHAT, body, config=config).ring_bytes == ring_bytes
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    turns=st.lists(
+        st.tuples(st.text(min_size=1, max_size=400), st.text(min_size=1, max_size=400)),
+        min_size=1,
+        max_size=5,
+    ),
+    system=st.text(max_size=3000),
+    tenant=st.none() | st.just("t1"),
+)
+def test_a_turns_previous_prompt_end_is_the_previous_turns_prompt_end(
+    turns: list[tuple[str, str]], system: str, tenant: str | None
+) -> None:
+    """The index finds the backend that took turn k by turn k+1's `previous_prompt_end`."""
+    messages: list[tuple[str, Any]] = [("system", system)]
+    previous: RoutingKey | None = None
+    for question, answer in turns:
+        messages.append(("user", question))
+        k = key(CHAT, chat(*messages), tenant)
+        assert k.prompt_end != 0
+        if previous is None:
+            assert k.previous_prompt_end == 0
+        else:
+            assert k.previous_prompt_end == previous.prompt_end
+        previous = k
+        messages.append(("assistant", answer))
+
+
+@pytest.mark.parametrize(
+    ("earlier", "later"),
+    [
+        pytest.param(
+            chat(("system", SYSTEM), ("user", "A?")),
+            chat(("system", SYSTEM), ("user", "B?"), ("assistant", "b"), ("user", "more")),
+            id="other-question",
+        ),
+        pytest.param(
+            chat(("user", "A?")),
+            chat(("user", "A?"), ("user", "B?"), ("assistant", "b"), ("user", "more")),
+            id="one-more-message",
+        ),
+    ],
+)
+def test_another_conversations_prompt_is_not_a_previous_turn(
+    earlier: dict[str, Any], later: dict[str, Any]
+) -> None:
+    assert key(CHAT, later).previous_prompt_end != key(CHAT, earlier).prompt_end
+    other_tenant = key(CHAT, later, "t2").previous_prompt_end
+    assert other_tenant != key(CHAT, later).previous_prompt_end
+
+
+def test_only_chat_keys_carry_prompt_ends() -> None:
+    native = key("/generate", {"prompt": "hello"})
+    completion = key("/v1/completions", {"model": "m", "prompt": "hello"})
+    assert (native.prompt_end, completion.prompt_end) == (0, 0)
+
+
 def _common_prefix_len(a: bytes, b: bytes) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):

@@ -85,6 +85,31 @@ def test_with_ring_placements_a_conversation_is_followed_past_its_ring_key() -> 
     assert (decision.backend_id, decision.branch) == (far, Branch.PREFIX_MATCH)
 
 
+@pytest.mark.parametrize("first_placement", [FirstPlacement.CACHE_ROOM, FirstPlacement.RING])
+def test_a_next_turn_goes_where_the_previous_turn_went_though_others_share_its_blocks(
+    first_placement: FirstPlacement,
+) -> None:
+    """A first turn shorter than the block after the system prompt leaves no block of its own: the
+    deepest block the next turn shares is the system prompt, which another backend took first. The
+    backend that took the previous turn holds it and its reply."""
+    first, second = _turn(1, 1), _turn(1, 2)
+    walk = list(RING.walk(second.ring_hash))
+    elsewhere, taker = walk[-1], walk[-2]  # neither is the ring's choice
+    index = PrefixIndex(1000)
+    index.record(_turn(0, 1).blocks, elsewhere)  # another conversation: the system prompt's first owner
+    index.record(first.blocks, taker)
+    index.record_prompt_end(first.prompt_end, taker)
+    assert index.longest_match(second.blocks) == (len(first.blocks), (elsewhere, taker))
+    policy = PrefixPolicy(BalanceConfig(first_placement=first_placement), index, None, PendingPrefills())
+    decision = policy.pick(second, RING, ALL, LoadTracker(), wait=False)
+    assert (decision.backend_id, decision.branch) == (taker, Branch.PREFIX_MATCH)
+    # At max_inflight it takes no more: the others' rules decide, as for any owner.
+    load = LoadTracker()
+    for _ in range(BalanceConfig().max_inflight):
+        load.acquire(taker)
+    assert policy.pick(second, RING, ALL, load, wait=False).backend_id != taker
+
+
 def test_the_prefix_policy_answers_a_pending_prefill_with_its_ticket_only_when_asked_to_wait() -> None:
     pending = PendingPrefills()
     owner = IDS[2]

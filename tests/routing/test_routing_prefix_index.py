@@ -135,3 +135,17 @@ def test_forget_backend() -> None:
     assert index.longest_match(A) == (2, ("y",))
     index.forget_backend("y")
     assert len(index) == 0
+
+
+def test_a_prompts_end_names_the_backend_that_took_it_last() -> None:
+    index = PrefixIndex(2)
+    assert index.prompt_taker(11) is None
+    index.record_prompt_end(11, "x")
+    index.record_prompt_end(11, "y")  # the same prompt again, elsewhere: the last taker counts
+    assert index.prompt_taker(11) == "y"
+    index.record_prompt_end(12, "x")
+    index.record_prompt_end(11, "y")  # used again: the most recent
+    index.record_prompt_end(13, "z")  # over the bound: the least recently recorded goes
+    assert (index.prompt_taker(11), index.prompt_taker(12), index.prompt_taker(13)) == ("y", None, "z")
+    index.forget_backend("y")
+    assert index.prompt_taker(11) is None and index.prompt_taker(13) == "z"

@@ -7,6 +7,7 @@ reviewed break.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 
 import xxhash
@@ -65,6 +66,21 @@ def prefix_hashes(root: bytes, data: bytes, ends: Sequence[int]) -> tuple[int, .
         append(h)
         start = end
     return tuple(out)
+
+
+# Mixed into a prompt-end hash's seed, so it never equals the hash of a block that ends at the same
+# place (a replica-local value, not one replicas must agree on).
+_PROMPT_END_SALT = 0x454E_4421  # "END!"
+
+
+def prompt_end_hash(root: bytes, data: bytes, ends: Sequence[int], blocks: Sequence[int], pos: int) -> int:
+    """Hash of data[:pos] under `root`, given the chain `blocks` of data cut at `ends`: the tail past
+    the last whole block, seeded by that block's hash. Two keys' values at their `pos` are equal
+    exactly when their first `pos` bytes are, and only the tail is hashed."""
+    whole = bisect.bisect_right(ends, pos, 0, len(blocks))
+    parent = blocks[whole - 1] if whole else xxhash.xxh3_64_intdigest(root, HASH_SEED)
+    start = ends[whole - 1] if whole else 0
+    return xxhash.xxh3_64_intdigest(memoryview(data)[start:pos], parent ^ _PROMPT_END_SALT)
 
 
 def chain_hash(parent: int, block: bytes) -> int:

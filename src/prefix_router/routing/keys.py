@@ -19,7 +19,13 @@ import orjson
 
 from prefix_router.routing.canonical import NotCanonicalisable, canonical_bytes, canonical_prompt, parse_json
 from prefix_router.routing.config import KeyConfig, KeyMode, RingKey
-from prefix_router.routing.hashing import encode_parts, hash_bytes, hash_rooted, prefix_hashes
+from prefix_router.routing.hashing import (
+    encode_parts,
+    hash_bytes,
+    hash_rooted,
+    prefix_hashes,
+    prompt_end_hash,
+)
 
 OPENAI_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings"})
 
@@ -59,6 +65,12 @@ class RoutingKey:
     # prefix_chars (0: it is cut at prefix_chars or prefix_bytes): that much of the request, the ring
     # places alike on every replica.
     ring_bytes: int = field(default=0, compare=False)
+    # Chat only (0: none): a hash of the whole key material, and of the material before the last
+    # assistant message, i.e. the previous turn's whole prompt. The index remembers where each prompt
+    # went by the first, so the next turn finds the backend that took the previous one by the second,
+    # however little of it filled a block of its own.
+    prompt_end: int = field(default=0, compare=False)
+    previous_prompt_end: int = field(default=0, compare=False)
 
     def covered_bytes(self, known_blocks: int) -> int:
         """Bytes of key material a backend holding the first `known_blocks` blocks has cached: those
@@ -122,9 +134,14 @@ def extract_key(path: str, body: bytes, tenant: str | None, config: KeyConfig) -
             else:
                 material = text[:ring_end].encode("utf-8", "surrogatepass")
             key = _key(_OPENAI, material, encoded[: config.max_key_bytes], tenant, model, config, streaming)
-            key.reply = _reply_span(text, encoded, config.max_key_bytes)
+            key.reply = reply = _reply_span(text, encoded, config.max_key_bytes)
             if ring_end < config.prefix_chars:
                 key.ring_bytes = len(material)
+            if "messages" in doc:
+                full, ends, root = encoded[: config.max_key_bytes], key.ends, _key_root(tenant, model)
+                key.prompt_end = prompt_end_hash(root, full, ends, key.blocks, len(full))
+                if reply[1]:
+                    key.previous_prompt_end = prompt_end_hash(root, full, ends, key.blocks, reply[0])
             return key
 
     if parsed:

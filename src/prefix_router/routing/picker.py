@@ -154,6 +154,8 @@ class Picker:
         """Learn from a placement that reached the backend (its answer began well)."""
         if self._index is not None and key.blocks:
             self._index.record(key.blocks, backend_id)
+            if key.prompt_end:
+                self._index.record_prompt_end(key.prompt_end, backend_id)
 
     def forget_placed(self, key: RoutingKey, backend_id: str, after: int) -> None:
         """The backend no longer holds the request's blocks past the first `after` (the shared store,

@@ -16,13 +16,15 @@ MAX_OWNERS = 4  # backends remembered per block, in the order they took it; the 
 
 
 class PrefixIndex:
-    __slots__ = ("_entries", "_max_entries")
+    __slots__ = ("_entries", "_max_entries", "_prompt_ends")
 
     def __init__(self, max_entries: int) -> None:
         if max_entries < 1:
             raise ValueError("max_entries must be at least 1")
         self._max_entries = max_entries
         self._entries: OrderedDict[int, tuple[str, ...]] = OrderedDict()
+        # A prompt's end -> the backend that took the prompt last; as many as block entries at most.
+        self._prompt_ends: OrderedDict[int, str] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -83,6 +85,18 @@ class PrefixIndex:
         while len(entries) > self._max_entries:
             entries.popitem(last=False)
 
+    def record_prompt_end(self, prompt_end: int, backend_id: str) -> None:
+        """Note that `backend_id` took the whole prompt ending here (RoutingKey.prompt_end)."""
+        ends = self._prompt_ends
+        ends[prompt_end] = backend_id
+        ends.move_to_end(prompt_end)
+        if len(ends) > self._max_entries:
+            ends.popitem(last=False)
+
+    def prompt_taker(self, prompt_end: int) -> str | None:
+        """The backend that took the prompt ending here last, if still remembered."""
+        return self._prompt_ends.get(prompt_end)
+
     def forget_owner(self, block: int, backend_id: str) -> None:
         """The backend no longer holds this block (it aged out of its cache)."""
         owners = self._entries.get(block)
@@ -96,6 +110,8 @@ class PrefixIndex:
 
     def forget_backend(self, backend_id: str) -> None:
         """Drop a backend that left the fleet (its cache is gone with it)."""
+        for end in [e for e, taker in self._prompt_ends.items() if taker == backend_id]:
+            del self._prompt_ends[end]
         for block in [b for b, owners in self._entries.items() if backend_id in owners]:
             rest = tuple(o for o in self._entries[block] if o != backend_id)
             if rest:

@@ -157,28 +157,42 @@ class PrefixPolicy:
                                 return Decision(backend, _PREFIX_MATCH, wait_for=ticket)
                             prefilling = holders
                             break
+
+            def admits(owner: str, depth: int) -> bool:
+                # Past the relative bound only while a request in flight there holds the prefix:
+                # then it is surely cached (pinned), and the owner's queue is the cheaper wait.
+                # Otherwise a cache that busy is likely turning over under its running prompts,
+                # and piling a group's requests on it queues them for KV room behind cold prefills.
+                after = load_of(owner) + 1
+                return after <= under_floor or (
+                    after <= follow_limit and (fits(owner) or self._holds(owner, key.blocks[depth - 1]))
+                )
+
+            def follow(owner: str) -> Decision:
+                # An owner still computing the prefix is waited for; one that has it cached takes
+                # the request now, before a wait for a copy computed elsewhere.
+                for backend, ticket in prefilling:
+                    if backend == owner:
+                        return Decision(owner, _PREFIX_MATCH, wait_for=ticket)
+                return Decision(owner, _PREFIX_MATCH)
+
+            if key.previous_prompt_end:
+                # The backend that took the previous turn holds its prompt and generated its reply:
+                # the conversation's own cache, though the blocks the index knows deepest may be a
+                # system prompt that other conversations left on other backends too.
+                taker = self._index.prompt_taker(key.previous_prompt_end)
+                if taker is not None and taker in usable_set:
+                    held = self._index.longest_held(key.blocks, taker)
+                    if covers(key, held, threshold) and admits(taker, held):
+                        return follow(taker)
             if enough(key, known, threshold):
                 if self._owner_rank is not None and len(owners) > 1:
                     # A prompt shared by many conversations has several owners: each new one goes to
                     # the roomiest, not all to the first (herded there up to the load floor).
                     owners = tuple(sorted(owners, key=self._owner_rank))
                 for owner in owners:
-                    if owner not in usable_set:
-                        continue
-                    # Past the relative bound only while a request in flight there holds the prefix:
-                    # then it is surely cached (pinned), and the owner's queue is the cheaper wait.
-                    # Otherwise a cache that busy is likely turning over under its running prompts,
-                    # and piling a group's requests on it queues them for KV room behind cold prefills.
-                    after = load_of(owner) + 1
-                    if after <= under_floor or (
-                        after <= follow_limit and (fits(owner) or self._holds(owner, key.blocks[known - 1]))
-                    ):
-                        # An owner still computing the prefix is waited for; one that has it cached
-                        # takes the request now, before a wait for a copy computed elsewhere.
-                        for backend, ticket in prefilling:
-                            if backend == owner:
-                                return Decision(owner, _PREFIX_MATCH, wait_for=ticket)
-                        return Decision(owner, _PREFIX_MATCH)
+                    if owner in usable_set and admits(owner, known):
+                        return follow(owner)
             if prefilling:
                 for backend, ticket in prefilling:
                     if backend in usable_set and may_follow(backend):
