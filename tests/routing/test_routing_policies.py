@@ -102,7 +102,11 @@ def test_a_next_turn_goes_where_the_previous_turn_went_though_others_share_its_b
     assert index.longest_match(second.blocks) == (len(first.blocks), (elsewhere, taker))
     policy = PrefixPolicy(BalanceConfig(first_placement=first_placement), index, None, PendingPrefills())
     decision = policy.pick(second, RING, ALL, LoadTracker(), wait=False)
-    assert (decision.backend_id, decision.branch) == (taker, Branch.PREFIX_MATCH)
+    assert (decision.backend_id, decision.branch, decision.previous_turn) == (
+        taker,
+        Branch.PREFIX_MATCH,
+        True,
+    )
     # At max_inflight it takes no more: the others' rules decide, as for any owner.
     load = LoadTracker()
     for _ in range(BalanceConfig().max_inflight):

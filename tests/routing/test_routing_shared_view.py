@@ -364,3 +364,31 @@ def test_a_followed_prefix_other_backends_hold_goes_to_the_roomiest_holder() -> 
     ).decision == Decision("Z", Branch.PREFIX_MATCH)
     # Without ranks (first_placement: ring), the owner keeps it.
     assert resolve(LOCAL, holders, usable, anyone, none).decision == Decision("X", Branch.PREFIX_MATCH)
+
+
+def test_the_backend_that_took_the_previous_turn_keeps_it_where_the_store_says_it_holds_the_prefix() -> None:
+    """The store follows a system prompt's shared owner; the replica that sent the conversation's
+    previous turn to Y knows its history is there, and Y holds that prompt too."""
+    answer = ClaimAnswer("X", 3, True, (), holders=("Z", "Y"))
+    usable = {"X", "Y", "Z"}
+    ranks = {"X": (0, -100.0), "Y": (0, -300.0), "Z": (0, -500.0)}  # Z the roomiest
+
+    def none() -> Decision | None:
+        return None
+
+    previous = Decision("Y", Branch.PREFIX_MATCH, previous_turn=True)
+    kept = resolve(previous, answer, usable, usable.__contains__, none, ranks.__getitem__)
+    assert kept.decision.backend_id == "Y" and kept.takeover == Takeover("X", "Y", 3)
+    # Without the previous turn there, the roomiest holder, as for a new conversation.
+    other = resolve(
+        Decision("Y", Branch.PREFIX_MATCH), answer, usable, usable.__contains__, none, ranks.__getitem__
+    )
+    assert other.decision.backend_id == "Z"
+    # Where the store does not say Y holds the prefix, or Y may take no more, the store's rules decide.
+    elsewhere = ClaimAnswer("X", 3, True, (), holders=("Z",))
+    assert (
+        resolve(previous, elsewhere, usable, usable.__contains__, none, ranks.__getitem__).decision.backend_id
+        == "Z"
+    )
+    full = {"X", "Z"}.__contains__
+    assert resolve(previous, answer, usable, full, none, ranks.__getitem__).decision.backend_id == "Z"

@@ -7,7 +7,7 @@ metrics, the shared-state resolution).
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 
@@ -42,3 +42,5 @@ class Decision:
     backend_id: str
     branch: Branch
     wait_for: int | None = None  # a prefill ticket: the backend is computing this prefix right now
+    # The backend took the request's previous turn (this router's index says): its history is there.
+    previous_turn: bool = field(default=False, compare=False)

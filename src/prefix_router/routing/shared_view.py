@@ -139,11 +139,26 @@ def resolve(
     own ledgers count only its own placements, so its index keeps owners the fleet has evicted); the
     caller forgets them (Picker.forget_placed) before `repick` runs.
 
+    A local decision for the backend that took the request's previous turn stands where the store
+    says it holds the prefix followed (a system prompt's shared owner knows nothing of the turn).
+
     With `rank` (the ledgers' rank, on this answer's footprints), a followed prefix that other
     backends hold too goes to the holder whose cache keeps things longest, the owner on a tie, as
     one router ranks its index's owners: a system prompt every conversation starts with has one
     shared owner, and would herd every new conversation there."""
     chosen = answer.chosen
+    mine = local.backend_id
+    if (
+        local.previous_turn
+        and answer.followed
+        and mine != chosen
+        and mine in answer.holders
+        and mine in usable
+        and may_follow(mine)
+    ):
+        # This replica sent the conversation's previous turn there, which holds the prefix the store
+        # followed too: the conversation's own history is there, not only what other requests share.
+        return Resolution(local, Takeover(chosen, mine, answer.depth if chosen in usable else 0))
     if rank is not None and answer.followed and answer.holders:
         choices = [b for b in (chosen, *answer.holders) if b in usable and may_follow(b)]
         best = min(choices, key=rank, default=chosen)  # the first of the best: the owner on a tie

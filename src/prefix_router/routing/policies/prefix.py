@@ -184,7 +184,9 @@ class PrefixPolicy:
                 if taker is not None and taker in usable_set:
                     held = self._index.longest_held(key.blocks, taker)
                     if covers(key, held, threshold) and admits(taker, held):
-                        return follow(taker)
+                        decision = follow(taker)
+                        decision.previous_turn = True
+                        return decision
             if enough(key, known, threshold):
                 if self._owner_rank is not None and len(owners) > 1:
                     # A prompt shared by many conversations has several owners: each new one goes to
