@@ -68,6 +68,9 @@ def test_a_known_prefix_is_followed_by_how_much_of_the_request_it_covers(
     picker = Picker(BalanceConfig(follow_threshold=threshold))
     system = ("system", text(1, system_chars))
     owner = place(picker, chat(system, ("user", text(2, 50))), ring, cands)
+    # A second conversation after it, with a question long enough to leave blocks of its own: the
+    # system prompt has branched, so it is a preamble, not a prompt that later requests continue.
+    place(picker, chat(system, ("user", text(9999, 3000))), ring, cands)
     # Another question after the same system prompt, with a ring position away from the owner.
     for seed in range(3, 200):
         key = chat(system, ("user", text(seed, question_chars)))
@@ -99,6 +102,89 @@ def test_a_system_prompt_shared_by_all_traffic_does_not_herd_conversations() -> 
         decision = picker.pick(turn2, ring, cands, LoadTracker())
         assert decision is not None
         assert (decision.backend_id, decision.branch) == (homes[conv], Branch.PREFIX_MATCH)
+
+
+@pytest.mark.parametrize("next_turn", [True, False], ids=["next-turn", "longer-prompt"])
+def test_a_conversation_whose_deeper_turns_aged_out_still_follows_its_cached_head(next_turn: bool) -> None:
+    """A conversation comes back after its backend's cache has turned over its deeper blocks, as the
+    next turn of a chat or, in the trace's shape, as one longer user message. What is still held there
+    covers less than the threshold, but the request continues a prompt placed before: the held head
+    saves its prefill only on that backend."""
+    ring, cands = fleet(4)
+    picker = Picker(BalanceConfig())
+    system = ("system", text(0, 2048))
+    for conv in range(8):  # every backend holds the system prompt
+        place(picker, chat(system, ("user", text(200 + conv, 8000))), ring, cands)
+    first = chat(system, ("user", text(100, 8000)))
+    home = place(picker, first, ring, cands)
+    if next_turn:
+        turn2 = chat(system, ("user", text(100, 8000)), ("assistant", "ok"), ("user", "more"))
+    else:
+        turn2 = chat(system, ("user", text(100, 8000) + " and then " + text(101, 300)))
+    # Age out all but a head past the system prompt and under half of the next turn.
+    keep = max(k for k in range(1, len(first.blocks)) if turn2.covered_bytes(k) < 0.45 * turn2.size)
+    assert first.ends[keep - 1] > 2048
+    picker.forget_placed(first, home, keep)
+    assert picker.index is not None and picker.index.longest_match(turn2.blocks) == (keep, (home,))
+    decision = picker.pick(turn2, ring, cands, LoadTracker())
+    assert decision is not None
+    assert (decision.backend_id, decision.branch, decision.previous_turn) == (
+        home,
+        Branch.PREFIX_MATCH,
+        next_turn,
+    )
+
+    # With first placements by the ring the ring key takes the turn back; the index is not asked.
+    ring_picker = Picker(BalanceConfig(first_placement=FirstPlacement.RING))
+    ring_picker.placed(first, home)
+    ring_picker.forget_placed(first, home, keep)
+    decision = ring_picker.pick(turn2, ring, cands, LoadTracker())
+    assert decision is not None and decision.branch is not Branch.PREFIX_MATCH
+
+
+def test_a_longer_prompt_that_continues_a_placed_one_follows_it_under_the_threshold() -> None:
+    """The trace's shape: a request's single message continues an earlier request's whole prompt with
+    more than as much again. The known prefix covers under half of it, but nothing else ever went on
+    from that prompt: it is this conversation's, and is followed. A new conversation behind the same
+    system prompt, once the prompt has branched, is placed by room."""
+    ring, cands = fleet(4)
+    picker = Picker(BalanceConfig())
+    system = text(0, 2048)
+    others = [place(picker, chat(("user", system + text(400 + c, 3000))), ring, cands) for c in range(8)]
+    first = chat(("user", system + text(100, 3000)))
+    home = place(picker, first, ring, cands)
+    longer = chat(("user", system + text(100, 3000) + text(101, 12000)))
+    assert not covers_share(longer, first)
+    decision = picker.pick(longer, ring, cands, LoadTracker())
+    assert decision is not None
+    assert (decision.backend_id, decision.branch) == (home, Branch.PREFIX_MATCH)
+    new = chat(("user", system + text(999, 3000)))
+    decision = picker.pick(new, ring, cands, LoadTracker())
+    assert decision is not None and decision.branch is Branch.CACHE_ROOM
+    assert len(set(others)) == 4
+
+
+def covers_share(key: RoutingKey, earlier: RoutingKey) -> bool:
+    """Do the blocks `key` shares with `earlier` cover half of it?"""
+    shared = 0
+    while shared < min(len(key.blocks), len(earlier.blocks)) and key.blocks[shared] == earlier.blocks[shared]:
+        shared += 1
+    return key.covered_bytes(shared) >= 0.5 * key.size
+
+
+def test_blocks_seen_before_do_not_make_a_shared_system_prompt_followed() -> None:
+    """Every conversation's system prompt is seen; a new conversation's own blocks are not: it is
+    placed by cache room, though owners of the system prompt aged out and came back."""
+    ring, cands = fleet(4)
+    picker = Picker(BalanceConfig())
+    system = ("system", text(0, 2048))
+    keys = [chat(system, ("user", text(300 + conv, 8000))) for conv in range(8)]
+    homes = [place(picker, key, ring, cands) for key in keys]
+    for key, home in zip(keys, homes, strict=True):
+        picker.forget_placed(key, home, 1)
+    new = chat(system, ("user", text(999, 8000)))
+    decision = picker.pick(new, ring, cands, LoadTracker())
+    assert decision is not None and decision.branch is Branch.CACHE_ROOM
 
 
 @settings(max_examples=40, deadline=None)

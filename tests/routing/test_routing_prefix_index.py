@@ -134,7 +134,28 @@ def test_forget_backend() -> None:
     index.forget_backend("x")
     assert index.longest_match(A) == (2, ("y",))
     index.forget_backend("y")
-    assert len(index) == 0
+    assert index.longest_match(A) == (0, ())
+    # Nobody holds the blocks now, but a request that carries them still continues a known prompt.
+    assert index.seen_depth(A, 0) == len(A)
+
+
+def test_aged_out_blocks_stay_seen_until_the_index_bound_evicts_them() -> None:
+    index = PrefixIndex(len(A) + 2)
+    index.record(A, "x")
+    index.record(A[:2], "y")
+    for block in A[1:]:
+        index.forget_owner(block, "x")
+    index.forget_owner(A[1], "y")
+    # Held: only the first block (x and y); seen: all of A.
+    assert index.longest_match(A) == (1, ("x", "y"))
+    assert index.seen_depth(A, 1) == len(A)
+    assert index.seen_depth([*A[:3], 12345], 1) == 3  # a new block past the seen ones
+    assert index.seen_depth([12345], 0) == 0
+    # Learning other prompts evicts the least recently recorded: the deep, aged-out blocks of A.
+    index.record([777, 778, 779], "z")
+    assert index.seen_depth(A, 1) == len(A) - 1
+    index.record(A, "y")  # placed again: held again
+    assert index.longest_match(A) == (len(A), ("y",))
 
 
 def test_a_prompts_end_names_the_backend_that_took_it_last() -> None:
@@ -149,3 +170,18 @@ def test_a_prompts_end_names_the_backend_that_took_it_last() -> None:
     assert (index.prompt_taker(11), index.prompt_taker(12), index.prompt_taker(13)) == ("y", None, "z")
     index.forget_backend("y")
     assert index.prompt_taker(11) is None and index.prompt_taker(13) == "z"
+
+
+def test_a_block_counts_the_new_ways_prompts_went_on_from_it() -> None:
+    index = PrefixIndex(100)
+    system = chain("s1", "s2")
+    index.record(chain("s1", "s2", "c1", "c1b"), "x")
+    assert index.branches(system[-1]) == 0  # one prompt so far: nothing branched
+    index.record(chain("s1", "s2", "c1", "c1b", "c1c"), "x")  # the same prompt continued
+    assert index.branches(system[-1]) == 0
+    assert index.branches(chain("s1", "s2", "c1", "c1b")[-1]) == 1
+    index.record(chain("s1", "s2", "c2"), "y")  # another conversation after the system prompt
+    index.record(chain("s1", "s2", "c3"), "x")
+    assert index.branches(system[-1]) == 2
+    index.record(chain("s1", "s2", "c3"), "y")  # the same prompt again: no new way
+    assert index.branches(system[-1]) == 2

@@ -4,7 +4,9 @@ A fixed-length ring key cannot follow a conversation: each turn changes the firs
 the history outgrows them. The index remembers, per block hash, the few backends this router placed it
 on (an approximation of their prefix caches, like SGLang's approximate radix tree or llm-d's prefix
 scorer), so turn k+1 finds turn k's backend. It learns only from placements this router made; an
-owner whose cache has since turned over is dropped (routing/footprint.py).
+owner whose cache has since turned over is dropped (routing/footprint.py), but the block stays known
+without owners until the index's own bound evicts it: that a request continues a conversation seen
+before says whether to follow it, however much of that conversation is still cached.
 """
 
 from __future__ import annotations
@@ -16,13 +18,16 @@ MAX_OWNERS = 4  # backends remembered per block, in the order they took it; the 
 
 
 class PrefixIndex:
-    __slots__ = ("_entries", "_max_entries", "_prompt_ends")
+    __slots__ = ("_branches", "_entries", "_max_entries", "_prompt_ends")
 
     def __init__(self, max_entries: int) -> None:
         if max_entries < 1:
             raise ValueError("max_entries must be at least 1")
         self._max_entries = max_entries
         self._entries: OrderedDict[int, tuple[str, ...]] = OrderedDict()
+        # A block -> how many times a prompt went on from it some new way (absent: never); bounded by
+        # the entries, as it is dropped with its block.
+        self._branches: dict[int, int] = {}
         # A prompt's end -> the backend that took the prompt last; as many as block entries at most.
         self._prompt_ends: OrderedDict[int, str] = OrderedDict()
 
@@ -30,23 +35,41 @@ class PrefixIndex:
         return len(self._entries)
 
     def longest_match(self, blocks: Sequence[int]) -> tuple[int, tuple[str, ...]]:
-        """(number of leading blocks known, owners of the deepest one); (0, ()) when none is known.
+        """(number of leading blocks some backend holds, owners of the deepest one); (0, ()) when none.
 
-        Chained hashes make a known block imply its whole prefix was seen, so the scan stops at the
-        first unknown block; the deepest block is found by binary search over that monotone property.
+        Chained hashes make a held block imply its whole prefix was placed there, and eviction trims
+        prefixes from their tails, so the scan stops at the first block nobody holds; the deepest one
+        is found by binary search over that monotone property.
         """
         entries = self._entries
         lo, hi = 0, len(blocks)
-        if hi == 0 or blocks[0] not in entries:
+        if hi == 0 or not entries.get(blocks[0]):
             return 0, ()
-        # Invariant: blocks[lo] is known; blocks[hi] (if hi < len) is unknown or beyond the end.
+        # Invariant: blocks[lo] is held; blocks[hi] (if hi < len) is not, or is beyond the end.
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if entries.get(blocks[mid]):
+                lo = mid
+            else:
+                hi = mid
+        return lo + 1, entries[blocks[lo]]
+
+    def seen_depth(self, blocks: Sequence[int], held: int) -> int:
+        """How many leading blocks were placed anywhere before, held or aged out since, given that the
+        first `held` are held (longest_match): how much of the request continues a known prompt."""
+        entries = self._entries
+        lo, hi = held - 1, len(blocks)
+        if lo < 0:
+            if hi == 0 or blocks[0] not in entries:
+                return 0
+            lo = 0
         while hi - lo > 1:
             mid = (lo + hi) // 2
             if blocks[mid] in entries:
                 lo = mid
             else:
                 hi = mid
-        return lo + 1, entries[blocks[lo]]
+        return lo + 1
 
     def longest_held(self, blocks: Sequence[int], backend_id: str) -> int:
         """How many leading blocks the index knows `backend_id` holds (binary search, as above: a
@@ -72,18 +95,31 @@ class PrefixIndex:
         their tails, and a known block keeps implying its parents are known.
         """
         entries = self._entries
+        child_new = False  # was the next deeper block unknown before this record?
         for block in reversed(blocks):
             owners = entries.get(block)
             if owners is None:
                 entries[block] = (backend_id,)
-            else:
-                if backend_id not in owners:
-                    # The first holder stays first; later ones fill the remaining places, newest last.
-                    owners = (*owners, backend_id) if len(owners) < MAX_OWNERS else (*owners[:-1], backend_id)
-                    entries[block] = owners
-                entries.move_to_end(block)
+                child_new = True
+                continue
+            if child_new:
+                # A known prompt continued some new way here: one more branch.
+                self._branches[block] = self._branches.get(block, 0) + 1
+                child_new = False
+            if backend_id not in owners:
+                # The first holder stays first; later ones fill the remaining places, newest last.
+                owners = (*owners, backend_id) if len(owners) < MAX_OWNERS else (*owners[:-1], backend_id)
+                entries[block] = owners
+            entries.move_to_end(block)
         while len(entries) > self._max_entries:
-            entries.popitem(last=False)
+            block = entries.popitem(last=False)[0]
+            self._branches.pop(block, None)
+
+    def branches(self, block: int) -> int:
+        """How many times a prompt through this block went on some way not seen before, after the
+        first: a system prompt every conversation starts with branches at each new conversation, a
+        conversation's own history only when it is resumed from the same point twice."""
+        return self._branches.get(block, 0)
 
     def record_prompt_end(self, prompt_end: int, backend_id: str) -> None:
         """Note that `backend_id` took the whole prompt ending here (RoutingKey.prompt_end)."""
@@ -98,23 +134,15 @@ class PrefixIndex:
         return self._prompt_ends.get(prompt_end)
 
     def forget_owner(self, block: int, backend_id: str) -> None:
-        """The backend no longer holds this block (it aged out of its cache)."""
+        """The backend no longer holds this block (it aged out of its cache); the block stays seen."""
         owners = self._entries.get(block)
         if owners is None or backend_id not in owners:
             return
-        rest = tuple(o for o in owners if o != backend_id)
-        if rest:
-            self._entries[block] = rest
-        else:
-            del self._entries[block]
+        self._entries[block] = tuple(o for o in owners if o != backend_id)
 
     def forget_backend(self, backend_id: str) -> None:
         """Drop a backend that left the fleet (its cache is gone with it)."""
         for end in [e for e, taker in self._prompt_ends.items() if taker == backend_id]:
             del self._prompt_ends[end]
         for block in [b for b, owners in self._entries.items() if backend_id in owners]:
-            rest = tuple(o for o in self._entries[block] if o != backend_id)
-            if rest:
-                self._entries[block] = rest
-            else:
-                del self._entries[block]
+            self._entries[block] = tuple(o for o in self._entries[block] if o != backend_id)

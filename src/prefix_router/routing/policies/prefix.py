@@ -4,14 +4,16 @@ Order of preference:
 1. the owners the prefix index knows for the longest known prefix (`prefix_match`), when that prefix
    covers at least `follow_threshold` of the request (SGLang's match ratio, Preble's exploit/explore
    split): a system prompt that all traffic shares is cached everywhere soon enough and must not herd
-   new conversations onto the backends that first took it. With ledgers, the owner whose cache keeps
-   things longest first (every owner has the prefix: the conversation it starts grows where its cache
-   has room), the first holder on a tie; without, the first holder first. With `first_placement:
-   ring`, only a prefix that reaches the ring key's end is followed (`covers_ring_key`). An owner
-   takes the request within the relative bound, and up to `max_inflight` while a request in flight
-   there holds the prefix: waiting in a warm engine's queue costs less than a cold prefill elsewhere,
-   and a hot prefix spread by the relative bound over more backends takes their caches from the
-   prefixes placed there;
+   new conversations onto the backends that first took it. With cache room, the blocks placed before
+   and aged out of the ledgers since count towards that share (the request continues a conversation
+   whose still-cached head is worth having), though only the held ones are followed. With ledgers, the
+   owner whose cache keeps things longest first (every owner has the prefix: the conversation it
+   starts grows where its cache has room), the first holder on a tie; without, the first holder first.
+   With `first_placement: ring`, only a prefix that reaches the ring key's end is followed
+   (`covers_ring_key`). An owner takes the request within the relative bound, and up to `max_inflight`
+   while a request in flight there holds the prefix: waiting in a warm engine's queue costs less than
+   a cold prefill elsewhere, and a hot prefix spread by the relative bound over more backends takes
+   their caches from the prefixes placed there;
 2. a prefix no backend holds enough of goes, with `first_placement: cache_room`, to the backend of
    the first ROOM_CHOICES of the key's ring walk whose cache keeps things longest (`cache_room`), ties
    to the earliest of the walk; with `ring`, to the ring walk: its first backend is `affinity`, a later
@@ -183,11 +185,24 @@ class PrefixPolicy:
                 taker = self._index.prompt_taker(key.previous_prompt_end)
                 if taker is not None and taker in usable_set:
                     held = self._index.longest_held(key.blocks, taker)
-                    if covers(key, held, threshold) and admits(taker, held):
+                    if (
+                        covers(key, held, threshold)
+                        or (
+                            held
+                            and self._by_room
+                            and covers(key, self._index.seen_depth(key.blocks, held), threshold)
+                        )
+                    ) and admits(taker, held):
                         decision = follow(taker)
                         decision.previous_turn = True
                         return decision
-            if enough(key, known, threshold):
+            # With cache room, a known prefix under the threshold is followed when the request
+            # continues a prompt seen before rather than shares a preamble with it: the blocks seen
+            # (held, or aged out since) cover the threshold, or no prompt has yet gone on from the
+            # deepest of them another way (a system prompt branches at every new conversation). The
+            # part still held saves its prefill only where it is. With the ring, the ring key takes
+            # such a request back to where the prompt it continues went.
+            if enough(key, known, threshold) or (known and self._by_room and self._continues(key, known)):
                 if self._owner_rank is not None and len(owners) > 1:
                     # A prompt shared by many conversations has several owners: each new one goes to
                     # the roomiest, not all to the first (herded there up to the load floor).
@@ -216,6 +231,11 @@ class PrefixPolicy:
                 return Decision(backend, _AFFINITY if first else _OVERFLOW)
             first = False
         return Decision(least_loaded(usable.ids, load, ring, key.ring_hash), _FALLBACK)
+
+    def _continues(self, key: RoutingKey, known: int) -> bool:
+        assert self._index is not None
+        seen = self._index.seen_depth(key.blocks, known)
+        return covers(key, seen, self._threshold) or not self._index.branches(key.blocks[seen - 1])
 
     def _holds(self, backend: str, block: int) -> bool:
         """Does a request in flight on the backend hold this block (without ledgers: assume so)?"""
