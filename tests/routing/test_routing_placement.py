@@ -133,6 +133,13 @@ def test_a_conversation_whose_deeper_turns_aged_out_still_follows_its_cached_hea
         Branch.PREFIX_MATCH,
         next_turn,
     )
+    # Once only the system prompt is left there, which every conversation went on from its own way,
+    # the head is no longer the conversation's: following it (past the load bound, as a held prefix
+    # is) would herd. Cache room places the turn.
+    in_system = max(k for k in range(1, len(first.blocks)) if first.ends[k - 1] < 2000)
+    picker.forget_placed(first, home, in_system)
+    decision = picker.pick(turn2, ring, cands, LoadTracker())
+    assert decision is not None and decision.branch is Branch.CACHE_ROOM
 
     # With first placements by the ring the ring key takes the turn back; the index is not asked.
     ring_picker = Picker(BalanceConfig(first_placement=FirstPlacement.RING))

@@ -187,21 +187,17 @@ class PrefixPolicy:
                     held = self._index.longest_held(key.blocks, taker)
                     if (
                         covers(key, held, threshold)
-                        or (
-                            held
-                            and self._by_room
-                            and covers(key, self._index.seen_depth(key.blocks, held), threshold)
-                        )
+                        or (held and self._by_room and self._continues(key, held))
                     ) and admits(taker, held):
                         decision = follow(taker)
                         decision.previous_turn = True
                         return decision
             # With cache room, a known prefix under the threshold is followed when the request
-            # continues a prompt seen before rather than shares a preamble with it: the blocks seen
-            # (held, or aged out since) cover the threshold, or no prompt has yet gone on from the
-            # deepest of them another way (a system prompt branches at every new conversation). The
-            # part still held saves its prefill only where it is. With the ring, the ring key takes
-            # such a request back to where the prompt it continues went.
+            # continues a prompt seen before rather than shares a preamble with it: no other prompt
+            # went on from the held head another way (a system prompt branches at every new
+            # conversation), and the blocks seen (held, or aged out since) cover the threshold or
+            # have not branched either. The part still held saves its prefill only where it is. With
+            # the ring, the ring key takes such a request back to where the prompt it continues went.
             if enough(key, known, threshold) or (known and self._by_room and self._continues(key, known)):
                 if self._owner_rank is not None and len(owners) > 1:
                     # A prompt shared by many conversations has several owners: each new one goes to
@@ -232,10 +228,17 @@ class PrefixPolicy:
             first = False
         return Decision(least_loaded(usable.ids, load, ring, key.ring_hash), _FALLBACK)
 
-    def _continues(self, key: RoutingKey, known: int) -> bool:
-        assert self._index is not None
-        seen = self._index.seen_depth(key.blocks, known)
-        return covers(key, seen, self._threshold) or not self._index.branches(key.blocks[seen - 1])
+    def _continues(self, key: RoutingKey, held: int) -> bool:
+        """Does the request continue a prompt placed before, whose head (its first `held` blocks) is
+        that prompt's own, not a preamble other prompts share (which, followed past the load bound
+        as held blocks are, would herd)?"""
+        index = self._index
+        assert index is not None
+        blocks = key.blocks
+        if index.branches(blocks[held - 1]):
+            return False
+        seen = index.seen_depth(blocks, held)
+        return covers(key, seen, self._threshold) or not index.branches(blocks[seen - 1])
 
     def _holds(self, backend: str, block: int) -> bool:
         """Does a request in flight on the backend hold this block (without ledgers: assume so)?"""
