@@ -25,8 +25,7 @@ class PrefixIndex:
             raise ValueError("max_entries must be at least 1")
         self._max_entries = max_entries
         self._entries: OrderedDict[int, tuple[str, ...]] = OrderedDict()
-        # A block -> how many times a prompt went on from it some new way (absent: never); bounded by
-        # the entries, as it is dropped with its block.
+        # A block -> its branches() (absent: none); bounded by the entries, dropped with its block.
         self._branches: dict[int, int] = {}
         # A prompt's end -> the backend that took the prompt last; as many as block entries at most.
         self._prompt_ends: OrderedDict[int, str] = OrderedDict()
@@ -116,9 +115,11 @@ class PrefixIndex:
             self._branches.pop(block, None)
 
     def branches(self, block: int) -> int:
-        """How many times a prompt through this block went on some way not seen before, after the
-        first: a system prompt every conversation starts with branches at each new conversation, a
-        conversation's own history only when it is resumed from the same point twice."""
+        """How many times a prompt recorded through this block went on past it some way not seen
+        before, once the block was known (the prompt that first recorded it does not count): a system
+        prompt every conversation starts with counts one per new conversation; the last block of a
+        prompt counts its first continuation too, and a conversation's inner blocks only a resumption
+        from the same point."""
         return self._branches.get(block, 0)
 
     def record_prompt_end(self, prompt_end: int, backend_id: str) -> None:

@@ -4,16 +4,17 @@ Order of preference:
 1. the owners the prefix index knows for the longest known prefix (`prefix_match`), when that prefix
    covers at least `follow_threshold` of the request (SGLang's match ratio, Preble's exploit/explore
    split): a system prompt that all traffic shares is cached everywhere soon enough and must not herd
-   new conversations onto the backends that first took it. With cache room, the blocks placed before
-   and aged out of the ledgers since count towards that share (the request continues a conversation
-   whose still-cached head is worth having), though only the held ones are followed. With ledgers, the
-   owner whose cache keeps things longest first (every owner has the prefix: the conversation it
-   starts grows where its cache has room), the first holder on a tie; without, the first holder first.
-   With `first_placement: ring`, only a prefix that reaches the ring key's end is followed
-   (`covers_ring_key`). An owner takes the request within the relative bound, and up to `max_inflight`
-   while a request in flight there holds the prefix: waiting in a warm engine's queue costs less than
-   a cold prefill elsewhere, and a hot prefix spread by the relative bound over more backends takes
-   their caches from the prefixes placed there;
+   new conversations onto the backends that first took it. With cache room, a prefix under that share
+   is followed too when the request continues a prompt placed before rather than shares a preamble
+   with it (`_continues`: nothing else branched from the held head, and the blocks seen, held or aged
+   out since, cover the share or have not branched either). With ledgers, the owner whose cache keeps
+   things longest first (every owner has the prefix: the conversation it starts grows where its cache
+   has room), the first holder on a tie; without, the first holder first. With `first_placement:
+   ring`, only a prefix that reaches the ring key's end is followed (`covers_ring_key`). An owner
+   takes the request within the relative bound, and up to `max_inflight` while a request in flight
+   there holds the prefix: waiting in a warm engine's queue costs less than a cold prefill elsewhere,
+   and a hot prefix spread by the relative bound over more backends takes their caches from the
+   prefixes placed there;
 2. a prefix no backend holds enough of goes, with `first_placement: cache_room`, to the backend of
    the first ROOM_CHOICES of the key's ring walk whose cache keeps things longest (`cache_room`), ties
    to the earliest of the walk; with `ring`, to the ring walk: its first backend is `affinity`, a later
@@ -192,12 +193,9 @@ class PrefixPolicy:
                         decision = follow(taker)
                         decision.previous_turn = True
                         return decision
-            # With cache room, a known prefix under the threshold is followed when the request
-            # continues a prompt seen before rather than shares a preamble with it: no other prompt
-            # went on from the held head another way (a system prompt branches at every new
-            # conversation), and the blocks seen (held, or aged out since) cover the threshold or
-            # have not branched either. The part still held saves its prefill only where it is. With
-            # the ring, the ring key takes such a request back to where the prompt it continues went.
+            # Under the threshold, with cache room: the part still held saves its prefill only where
+            # it is (a system prompt branches at every new conversation, so it is not followed this
+            # way). With the ring, the ring key takes such a request back where its prompt went.
             if enough(key, known, threshold) or (known and self._by_room and self._continues(key, known)):
                 if self._owner_rank is not None and len(owners) > 1:
                     # A prompt shared by many conversations has several owners: each new one goes to
