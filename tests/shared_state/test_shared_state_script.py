@@ -486,14 +486,18 @@ async def test_each_claim_carries_its_replicas_counts_and_answers_the_others(sto
     a, b = await store(load=loads[0]), await store(load=loads[1])
     mine = [loads[0].acquire("X"), loads[0].acquire("X"), loads[0].acquire("W")]
     first = await claimed(a, claim([1], "X"))
+    # The request goes where its claim counted it, as the router sends it: any write of A's counts,
+    # whichever order the store runs them in, then says the same.
+    mine.append(loads[0].acquire(first.counted_on))
     assert first.peers == ()  # nobody else has anything in flight
     # A's counts as it sent them, with the request it claimed for counted on X.
     answer = await claimed(b, claim([2], "Y"))
     assert dict(answer.peers) == {"X": 3, "W": 1}
     lease = loads[1].acquire("Y")  # the request B claimed for: the store counted it already
     back = await claimed(a, claim([3], "X"))
+    mine.append(loads[0].acquire(back.counted_on))
     assert dict(back.peers) == {"Y": 1}  # never A's own
-    assert await _peers(b, [9]) == {"X": 3, "W": 1}
+    assert await _peers(b, [9]) == {"X": 4, "W": 1}
     for held in mine:
         held.release()
     lease.release()
@@ -544,9 +548,10 @@ async def test_a_replicas_counts_expire_when_it_writes_no_more(store: Any) -> No
     load = LoadTracker()
     a = await store(load=load, load_ttl_s=0.3)
     b = await store(load_ttl_s=0.3)
-    await claimed(a, claim([1], "X"))
+    placed = await claimed(a, claim([1], "X"))
+    load.acquire(placed.counted_on)  # the request goes there and never ends
     assert dict((await claimed(b, claim([2], "Y"))).peers) == {"X": 1}
-    a._load = None  # as a replica that died: nothing refreshes them
+    a._up = False  # as a replica that died: nothing writes them again, nothing deletes them
     await asyncio.sleep(0.5)
     assert (await claimed(b, claim([3], "Y"))).peers == ()
 
