@@ -21,6 +21,7 @@ from prefix_router.loadgen.traces import (
 from prefix_router.loadgen.workloads import oracle_hit_rate, prompt_blocks
 
 SAMPLE = Path(__file__).parents[2] / "benchmarks" / "traces" / "mooncake_conversation_head2000.jsonl"
+SYNTHETIC = SAMPLE.with_name("mooncake_synthetic_head2000.jsonl")
 
 
 def record(ts: float, hash_ids: list[int], input_length: int | None = None, **extra: int) -> TraceRecord:
@@ -160,3 +161,30 @@ def test_the_shipped_mooncake_sample_replays() -> None:
         assert len(content(r.body)) == rec.input_length * 4
     first = content(w.requests[0].body)
     assert all(content(r.body)[:2048] == first[:2048] for r in w.requests)
+
+
+def test_the_shipped_synthetic_sample_replays_its_conversations_as_shared_text() -> None:
+    records = read_trace(SYNTHETIC)
+    assert len(records) == 2000
+    assert guess_block_tokens(SYNTHETIC) == MOONCAKE_BLOCK_TOKENS
+    assert guess_time_unit_s(records) == 0.001
+    w = trace_workload(records[:400], time_scale=0.1)
+    texts = [content(r.body) for r in w.requests]
+    block_chars = MOONCAKE_BLOCK_TOKENS * 4
+    # A later request that starts with an earlier one's leading ids carries that request's text there,
+    # so the router can find it: the trace's reuse, not a preamble shared by all, is what to route on.
+    later_turns = 0
+    for j, rec in enumerate(records[:400]):
+        for i in range(j):
+            earlier = records[i].hash_ids
+            common = next(
+                (k for k, (a, b) in enumerate(zip(earlier, rec.hash_ids, strict=False)) if a != b), None
+            )
+            common = min(len(earlier), len(rec.hash_ids)) if common is None else common
+            if common >= 2:
+                shared = (common - 1) * block_chars  # the last common block may end either prompt
+                assert texts[j][:shared] == texts[i][:shared]
+                later_turns += 1
+                break
+    assert later_turns >= 10
+    assert len({r.hash_ids[0] for r in records}) > 1500  # no first block shared by all
