@@ -435,7 +435,14 @@ class Placer:
         picker = self._picker
         holds = self._holds is not None
         request = claim_request(
-            key, local, picker, ring, shared.new_mark() if holds else "", holds and shared.can_wait
+            key,
+            local,
+            picker,
+            ring,
+            shared.new_mark() if holds else "",
+            holds and shared.can_wait,
+            candidates,
+            load,
         )
         answer = await shared.claim(request)
         if answer is None:
@@ -444,6 +451,7 @@ class Placer:
         load.set_peers(answer.peers)
         picker.shared_held(answer.peers_held)
         picker.shared_footprints(answer.figures_before())
+        placed = bool(request.room) and not answer.followed
         if stale_follow(local, answer):
             picker.forget_placed(key, local.backend_id, answer.depth)
         full = answer.full
@@ -460,6 +468,7 @@ class Placer:
             follows,
             lambda: picker.pick(key, ring, candidates, load),
             picker.owner_rank,
+            placed,
         )
         if answer.added and resolution.takeover is None:  # else the take-over moves those bytes
             picker.shared_footprints(answer.figures)

@@ -8,7 +8,7 @@ import itertools
 import orjson
 import pytest
 
-from prefix_router.routing.config import BalanceConfig, KeyConfig
+from prefix_router.routing.config import BalanceConfig, FirstPlacement, KeyConfig
 from prefix_router.routing.footprint import FootprintLedgers
 from prefix_router.routing.keys import RoutingKey, block_sizes, extract_key
 from prefix_router.routing.load import LoadTracker
@@ -392,3 +392,60 @@ def test_the_backend_that_took_the_previous_turn_keeps_it_where_the_store_says_i
     )
     full = {"X", "Z"}.__contains__
     assert resolve(previous, answer, usable, full, none, ranks.__getitem__).decision.backend_id == "Z"
+
+
+def test_a_first_placement_by_cache_room_lets_the_store_choose_among_the_walks_backends_that_fit() -> None:
+    ids = ["A", "B", "C", "D"]
+    ring = HashRing([Member(i) for i in ids], 160)
+    picker = Picker(BalanceConfig(max_inflight=4, load_floor=1))
+    for i, backend in enumerate(ids):
+        picker.set_capacity(backend, 1000.0 * (i + 1))
+    key = chat("s" * 2000, "q" * 300)
+    load = LoadTracker()
+    leases = [load.acquire("B") for _ in range(4)]  # B is at max_inflight: no new prefix goes there
+    everyone = Candidates.of(ids)
+    request = claim_request(key, Decision("A", Branch.CACHE_ROOM), picker, ring, usable=everyone, load=load)
+    assert request.room == "".join("0" if b == "B" else "1" for b in request.listed)
+    assert request.capacities == tuple(1000.0 * (ids.index(b) + 1) for b in request.listed)
+    # Only the backends the replica may use now: one that is not a candidate is never chosen.
+    without_c = Candidates.of(["A", "B", "D"])
+    narrow = claim_request(key, Decision("A", Branch.CACHE_ROOM), picker, ring, usable=without_c, load=load)
+    assert narrow.room == "".join("1" if b in ("A", "D") else "0" for b in narrow.listed)
+    # A local follow keeps its own rules (the previous turn, a continued prompt), which the store's
+    # table alone does not know; a ring placement is the ring's.
+    assert not claim_request(
+        key, Decision("A", Branch.PREFIX_MATCH), picker, ring, usable=everyone, load=load
+    ).room
+    assert not claim_request(
+        key, Decision("A", Branch.AFFINITY), picker, ring, usable=everyone, load=load
+    ).room
+    assert not claim_request(key, Decision("A", Branch.CACHE_ROOM), picker, ring).room  # nothing to say
+    ring_first = Picker(BalanceConfig(first_placement=FirstPlacement.RING))
+    assert not claim_request(
+        key, Decision("A", Branch.CACHE_ROOM), ring_first, ring, usable=everyone, load=load
+    ).room
+    for lease in leases:
+        lease.release()
+
+
+@pytest.mark.parametrize(
+    ("local", "claimed", "fitting", "decision", "takeover"),
+    [
+        pytest.param(
+            LOCAL, answer("Y"), {"X", "Y"}, Decision("Y", Branch.CACHE_ROOM), None, id="elsewhere-stands"
+        ),
+        pytest.param(LOCAL, answer("X"), {"X", "Y"}, LOCAL, None, id="the-local-choice-stands"),
+        # The fleet moved on since the claim: the local choice, and the blocks follow it.
+        pytest.param(
+            LOCAL, answer("Y"), {"X"}, LOCAL, Takeover("Y", "X", 0), id="the-stores-choice-now-full"
+        ),
+    ],
+)
+def test_a_first_placement_the_store_made_stands_where_the_backend_may_take_the_request(
+    local: Decision, claimed: ClaimAnswer, fitting: set[str], decision: Decision, takeover: Takeover | None
+) -> None:
+    def repick() -> Decision:
+        raise AssertionError("the store placed it: no pick again")
+
+    resolution = resolve(local, claimed, {"X", "Y", "Z"}, fitting.__contains__, repick, placed=True)
+    assert (resolution.decision, resolution.takeover) == (decision, takeover)

@@ -713,3 +713,68 @@ async def test_the_subscription_opens_as_soon_as_the_store_answers(store: Any) -
     # prefills other routers start (a long interval makes the difference plain).
     shared = await store(prefill_wait_s=5.0, reconnect_interval_s=60.0)
     await eventually(lambda: shared.can_wait, timeout_s=10.0)
+
+
+def placing(blocks: list[int], proposed: str, room: str, capacities: tuple[float, ...]) -> ClaimRequest:
+    """A first placement the store makes: the replica proposed `proposed` on what it knew."""
+    base = claim(blocks, proposed, sizes=[300] * len(blocks), listed=("X", "Y", "Z"))
+    return ClaimRequest(
+        base.blocks,
+        base.sizes,
+        base.follow,
+        proposed,
+        capacities[0],
+        base.listed,
+        room=room,
+        capacities=capacities,
+    )
+
+
+async def test_replicas_placing_new_prompts_at_once_do_not_take_the_same_room(store: Any) -> None:
+    """Two replicas see the same backend as the roomiest and both propose it: the store places the
+    first there, counts the room its request takes, and places the second where room is left."""
+    caps = (1000.0, 1000.0, 1000.0)
+    a = await store(load=LoadTracker(), held=dict)
+    b = await store(load=LoadTracker(), held=dict)
+    first = await claimed(a, placing([1, 2], "X", "111", caps))
+    assert (first.chosen, first.followed, first.counted_on, first.taken) == ("X", False, "X", 600)
+    # B's view is as stale as A's was: it proposes X too. 400 bytes are left there for 600.
+    second = await claimed(b, placing([5, 6], "X", "111", caps))
+    assert (second.chosen, second.followed, second.counted_on) == ("Y", False, "Y")
+    # The footprints say where the blocks went: a third new prompt goes to the one still empty.
+    third = await claimed(b, placing([7], "X", "111", caps))
+    assert third.chosen == "Z"
+    # Where the replica may not place (at its load bound, or not a candidate), the store does not:
+    # Z, the emptiest, is left out; X is the only one allowed.
+    fourth = await claimed(a, placing([8], "Y", "100", caps))
+    assert fourth.chosen == "X"
+    # Without room bits (ring placement, or no ledgers), the proposal stands as before.
+    plain = await claimed(a, claim([9], "X", sizes=[300], listed=("X", "Y", "Z")))
+    assert plain.chosen == "X"
+
+
+async def test_a_first_placement_never_overrides_a_followed_owner(store: Any) -> None:
+    caps = (1000.0, 1000.0, 1000.0)
+    a = await store(load=LoadTracker(), held=dict)
+    await claimed(a, claim([1, 2, 3], "Z", sizes=[300] * 3, listed=("X", "Y", "Z")))
+    again = await claimed(a, placing([1, 2, 3], "X", "111", caps))
+    assert (again.chosen, again.followed) == ("Z", True)
+
+
+async def test_a_requests_end_reaches_the_other_replicas_at_once(
+    store: Any, raw: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The slot and the KV room a request frees are taken the next moment, often through another
+    replica: its end is written at once, not with the next periodic write."""
+    monkeypatch.setattr(shared_state, "LOAD_FLUSH_S", 30.0)  # no periodic write comes in time
+    load = LoadTracker()
+    a, b = await store(load=load), await store()
+    request = claim([1, 2], "X")
+    answer = await claimed(a, request)
+    lease = load.acquire(answer.counted_on)
+    assert await _peers(b, [9]) == {"X": 1}
+    assert await pinned(raw, "X") == {1: 1, 2: 1}
+    lease.release()  # the request ends, as the router ends it: lease, then the claim's pins
+    a.unpin(answer.chosen, request)
+    await eventually_equal(lambda: _peers(b, [9]), {})
+    await eventually_equal(lambda: pinned(raw, "X"), {})

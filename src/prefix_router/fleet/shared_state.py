@@ -18,12 +18,12 @@ Requests in flight: each claim carries this replica's counts (`ld:<replica>`, a 
 LOAD_TTL_S; the replicas seen are the set `replicas`), its own request counted where the script sends
 it, and the requests whose claims are still awaiting their answer counted where their own claim's
 script counted them (`cl:<replica>`, claim id to backend), or where they proposed while that script
-has not run; the answer sums the others'. Releases reach the store with the next claim, or by a
-background write when none came for LOAD_FLUSH_S; a request that goes elsewhere than its claim
-counted it is written at once.
+has not run; the answer sums the others'. A request's end is written at once in the background (the
+ends of one moment together), other changes with the next claim or by a background write when none
+came for LOAD_FLUSH_S; a request that goes elsewhere than its claim counted it is written at once.
 Pins: a claim pins the request's blocks on the backend it placed them on (a take-over moves them), and
 eviction passes them over, as the engine keeps a running request's blocks; the request's end lets go
-of them in a background write batched every LOAD_FLUSH_S. Each expires after PIN_TTL_S, so a replica
+of them in that background write. Each expires after PIN_TTL_S, so a replica
 gone leaves none. A claim the replica stopped waiting for is given up (`x:<replica>:<claim>`, and its
 receipt `pc:<replica>:<claim>` says where it pinned): it pins nothing if it runs later, and its pins go
 if it ran.
@@ -56,6 +56,7 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from prefix_router.routing.footprint import FULL_SHARE
 from prefix_router.routing.load import LoadTracker
 from prefix_router.routing.picker import LEDGER_ENTRIES
 from prefix_router.routing.shared_view import HELD, ClaimAnswer, ClaimRequest, Takeover, parse_answer
@@ -271,7 +272,8 @@ end
 # its requests in flight hold there), their lifetime (ms), the follow limit ('0': none), its other
 # claims awaiting their answer (pairs of claim id and backend proposed), this claim's id, the pins'
 # lifetime (ms; '': the request's blocks are not pinned on the chosen backend), the lifetime of the
-# receipt of where they were pinned and of a give-up (ms, GIVE_UP_SCRIPT). The reply is
+# receipt of where they were pinned and of a give-up (ms, GIVE_UP_SCRIPT), the listed backends a first
+# placement may go to ('0'/'1' each; '': the proposed backend stands) and their capacities. The reply is
 # one newline-joined string: chosen, depth, followed, the mark to wait for ('-' none), marked, the
 # bytes this claim added to the chosen backend's footprint, which listed backends also hold the prefix
 # followed (one '0' or '1' each; '-' when none was followed), the backend the request is counted on,
@@ -284,6 +286,7 @@ end
 # one's next write see it there.
 CLAIM_SCRIPT = (
     _RECORD
+    + f"local FULL_SHARE = {FULL_SHARE!r}\n"
     + """
 local proposed = ARGV[2]
 local max_entries = tonumber(ARGV[4])
@@ -307,6 +310,46 @@ end
 local chosen, followed = proposed, 0
 if depth > 0 and string.sub(follow, depth, depth) == '1' then
   chosen, followed = owners[depth], 1
+end
+local sums, peer_order = peer_loads(me)
+-- A first placement (no prefix followed) is made here when the replica allows it (`room`: one bit
+-- per listed backend it may place on now, with their capacities): the listed backend whose cache
+-- keeps things longest, by the fleet's footprints and the bytes every replica's requests in flight
+-- hold, ranked as one router's cache_room ranks (routing/footprint.py): (0, -room) while there is
+-- room, then (1, oldest use), last (2, bytes held) where those holds leave no room for this
+-- request. Made after the replica's pick, two replicas placing new prompts in the same instant
+-- would both take the one backend with room as each saw it before the other's claim.
+local room = ARGV[20] or ''
+if followed == 0 and room ~= '' then
+  local caps = split(ARGV[21])
+  local size = 0
+  for i = 1, n do size = size + tonumber(sizes[i]) end
+  local best, best_cap, best_a, best_v = nil, nil, nil, nil
+  for j = 1, m do
+    if string.sub(room, j, j) == '1' then
+      local b, cap = listed[j], tonumber(caps[j])
+      local held = (mine['held ' .. b] or 0) + (sums['held ' .. b] or 0)
+      local used = tonumber(redis.call('HGET', ns .. 'used', b) or '0') or 0
+      local entries = redis.call('ZCARD', ns .. 'lru:' .. b)
+      local a, v
+      if cap - held < size then
+        a, v = 2, held
+      elseif used < FULL_SHARE * cap and entries < max_entries then
+        a, v = 0, used - cap
+      elseif entries > 0 then
+        a, v = 1, tonumber(redis.call('ZRANGE', ns .. 'lru:' .. b, 0, 0, 'WITHSCORES')[2])
+      else
+        a, v = 2, held
+      end
+      if best == nil or a < best_a or (a == best_a and v < best_v) then
+        best, best_cap, best_a, best_v = b, cap, a, v
+      end
+    end
+  end
+  if best ~= nil then
+    chosen = best
+    redis.call('HSET', ns .. 'cap', chosen, best_cap)
+  end
 end
 -- Another request prefilling, on the chosen owner, blocks that cover enough of this one: its mark.
 local wait_for = '-'
@@ -364,7 +407,6 @@ if followed == 1 and m > 0 then
   end
   holders = table.concat(bits)
 end
-local sums, peer_order = peer_loads(me)
 local function fleet_load(b) return (mine[b] or 0) + (sums[b] or 0) end
 local limit = tonumber(ARGV[15]) or 0
 local counted_on, full = chosen, '-'
@@ -792,6 +834,8 @@ class SharedPlacement:
             claim_id,
             self._pin_ttl_ms,
             self._receipt_ttl_ms,
+            request.room,
+            _lines(int(c) for c in request.capacities),
         ]
         answer: ClaimAnswer | None = None
         try:
@@ -863,7 +907,12 @@ class SharedPlacement:
 
     def unpin(self, backend_id: str, request: ClaimRequest) -> None:
         """The request whose claim pinned its blocks on `backend_id` (where a take-over moved them) has
-        ended: the store lets go of them with the next batch (background)."""
+        ended: the store lets go of them, and hears this replica's counts, as soon as the caller
+        yields (background; the ends of one moment go in one batch). The KV room and the slot it
+        frees are often taken the next moment, on another replica (a client sends its next request
+        as this one ends): after LOAD_FLUSH_S, that replica would place on the fleet as it was."""
+        if self._batching:
+            self._flush_now.set()
         if not self._pin_ttl_ms or not request.blocks:
             return
         self._unpins.append((backend_id, request))
@@ -975,8 +1024,9 @@ class SharedPlacement:
 
     async def _flush_load(self) -> None:
         """Write this replica's counts when they changed and no claim carried them for LOAD_FLUSH_S,
-        at once when a claim counted its request where it did not go (`counts_moved`), and before
-        they expire while they stay the same; and the pins of the requests ended meanwhile."""
+        at once when a claim counted its request where it did not go (`counts_moved`) or a request
+        ended (`unpin`), and before they expire while they stay the same; and the pins of the
+        requests ended meanwhile."""
         loop = asyncio.get_running_loop()
         flush_now = self._flush_now
         while True:

@@ -14,7 +14,7 @@ from prefix_router.routing.config import BalanceConfig, FirstPlacement, Policy
 from prefix_router.routing.decision import Branch, Candidates, Decision
 from prefix_router.routing.footprint import FootprintLedgers
 from prefix_router.routing.keys import RoutingKey, block_sizes
-from prefix_router.routing.load import LoadTracker, follow_limit
+from prefix_router.routing.load import LoadTracker, follow_limit, least_bound, load_bound
 from prefix_router.routing.policies import Policy as RoutingPolicy
 from prefix_router.routing.policies.baseline import LeastLoadedPolicy, RandomPolicy, RoundRobinPolicy
 from prefix_router.routing.policies.prefix import ROOM_CHOICES, PrefixPolicy, covers
@@ -92,6 +92,21 @@ class Picker:
         """May `backend_id`, an owner of the request's prefix found elsewhere (the shared store), take
         it now: a candidate under max_inflight, as the prefix policy follows its own owners."""
         return backend_id in usable.members and load.load(backend_id) + 1 <= self._follow_limit
+
+    def may_place(self, backend_id: str, usable: Candidates, load: LoadTracker) -> bool:
+        """May a prefix nobody holds go to `backend_id` now: a candidate within the load bound, as the
+        prefix policy places one (for the shared store, which makes first placements)."""
+        if backend_id not in usable.members:
+            return False
+        cfg = self._config
+        if not cfg.spill:
+            return True
+        after = load.load(backend_id) + 1
+        if after <= least_bound(cfg.max_inflight, cfg.load_floor):
+            return True
+        return after <= load_bound(
+            load.total_load(), len(usable.ids), cfg.load_factor, cfg.max_inflight, cfg.load_floor
+        )
 
     def shared_footprints(self, figures: Iterable[tuple[str, int, int, int]]) -> None:
         """Fleet-wide footprints (backend, bytes used, oldest use, entries), so cache-room ranks count

@@ -24,7 +24,9 @@ import math
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
+from prefix_router.routing.decision import Candidates
 from prefix_router.routing.keys import RoutingKey, block_sizes
+from prefix_router.routing.load import LoadTracker
 from prefix_router.routing.picker import ROOM_CHOICES, Branch, Decision, Picker
 from prefix_router.routing.ring import HashRing
 
@@ -42,6 +44,10 @@ class ClaimRequest:
     # An owner followed with this many of the fleet's requests in flight or more is full: the store
     # counts the request on the first holder under it, where `resolve` sends it (0: on the owner).
     follow_limit: int = 0
+    # A first placement the store makes (nobody's prefix followed): '1' per listed backend this
+    # replica may place on now ('': the proposed backend stands), and each listed one's KV capacity.
+    room: str = ""
+    capacities: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,26 +102,50 @@ class Resolution:
 
 
 def claim_request(
-    key: RoutingKey, local: Decision, picker: Picker, ring: HashRing, mark: str = "", wait: bool = False
+    key: RoutingKey,
+    local: Decision,
+    picker: Picker,
+    ring: HashRing,
+    mark: str = "",
+    wait: bool = False,
+    usable: Candidates | None = None,
+    load: LoadTracker | None = None,
 ) -> ClaimRequest:
     """What to claim for a request whose local decision is `local` (key.blocks must not be empty).
     `mark`: the request may open a prefill others wait for (only a streaming one does: a
-    non-streaming answer's first byte is its last); `wait`: it may wait for another's."""
+    non-streaming answer's first byte is its last); `wait`: it may wait for another's. With `usable`
+    and `load`, a local first placement by cache room is the store's to make where no owner is
+    followed (`room`): among the backends of the walk the local pick could have chosen. A local
+    follow is not: the replica's own rules (a conversation's previous turn, a continued prompt)
+    follow prefixes the store's table alone would not."""
     blocks = key.blocks
     covers = picker.covers
     follow = "".join("1" if covers(key, d) else "0" for d in range(1, len(blocks) + 1))
     ledgers = picker.ledgers
     capacity = ledgers.capacity(local.backend_id) if ledgers is not None else float(1 << 40)
+    listed = tuple(itertools.islice(ring.walk(key.ring_hash), ROOM_CHOICES))
+    room, capacities = "", tuple[float, ...]()
+    if (
+        usable is not None
+        and load is not None
+        and ledgers is not None
+        and picker.owner_rank is not None
+        and local.branch is Branch.CACHE_ROOM
+    ):
+        room = "".join("1" if picker.may_place(b, usable, load) else "0" for b in listed)
+        capacities = tuple(ledgers.capacity(b) for b in listed)
     return ClaimRequest(
         blocks,
         block_sizes(key.ends)[: len(blocks)],
         follow,
         local.backend_id,
         capacity,
-        tuple(itertools.islice(ring.walk(key.ring_hash), ROOM_CHOICES)),
+        listed,
         mark if key.streaming else "",
         wait,
         int(limit) if math.isfinite(limit := picker.follow_limit) else 0,
+        room if "1" in room else "",
+        capacities if "1" in room else (),
     )
 
 
@@ -126,6 +156,7 @@ def resolve(
     may_follow: Callable[[str], bool],
     repick: Callable[[], Decision | None] | None = None,
     rank: Callable[[str], tuple[int, float]] | None = None,
+    placed: bool = False,
 ) -> Resolution:
     """The final decision: the shared owner when it is usable and under max_inflight, else the
     local decision (and the blocks the claim gave the owner move to it).
@@ -145,9 +176,16 @@ def resolve(
     With `rank` (the ledgers' rank, on this answer's footprints), a followed prefix that other
     backends hold too goes to the holder whose cache keeps things longest, the owner on a tie, as
     one router ranks its index's owners: a system prompt every conversation starts with has one
-    shared owner, and would herd every new conversation there."""
+    shared owner, and would herd every new conversation there.
+
+    `placed`: the store made this first placement (the claim's `room`), on every replica's
+    placements and holds as of its claim: it stands where the backend may take the request now."""
     chosen = answer.chosen
     mine = local.backend_id
+    if placed and not answer.followed and chosen in usable and may_follow(chosen):
+        if chosen == mine:
+            return Resolution(local, None, answer.wait_for)
+        return Resolution(Decision(chosen, Branch.CACHE_ROOM), None, answer.wait_for)
     if (
         local.previous_turn
         and answer.followed
