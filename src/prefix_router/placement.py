@@ -451,7 +451,6 @@ class Placer:
         load.set_peers(answer.peers)
         picker.shared_held(answer.peers_held)
         picker.shared_footprints(answer.figures_before())
-        placed = bool(request.room) and not answer.followed
         if stale_follow(local, answer):
             picker.forget_placed(key, local.backend_id, answer.depth)
         full = answer.full
@@ -468,7 +467,7 @@ class Placer:
             follows,
             lambda: picker.pick(key, ring, candidates, load),
             picker.owner_rank,
-            placed,
+            placed=bool(request.room),
         )
         if answer.added and resolution.takeover is None:  # else the take-over moves those bytes
             picker.shared_footprints(answer.figures)

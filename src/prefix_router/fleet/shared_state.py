@@ -336,10 +336,9 @@ if followed == 0 and room ~= '' then
         a, v = 2, held
       elseif used < FULL_SHARE * cap and entries < max_entries then
         a, v = 0, used - cap
-      elseif entries > 0 then
-        a, v = 1, tonumber(redis.call('ZRANGE', ns .. 'lru:' .. b, 0, 0, 'WITHSCORES')[2])
       else
-        a, v = 2, held
+        local oldest = redis.call('ZRANGE', ns .. 'lru:' .. b, 0, 0, 'WITHSCORES')[2]
+        a, v = 1, tonumber(oldest or '-1')  -- as the answer's figures say it: -1 when empty
       end
       if best == nil or a < best_a or (a == best_a and v < best_v) then
         best, best_cap, best_a, best_v = b, cap, a, v

@@ -7,6 +7,7 @@ sent and answered; the policy (routing/policies/) only chooses. No I/O.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable, Collection, Iterable
 
@@ -93,19 +94,18 @@ class Picker:
         it now: a candidate under max_inflight, as the prefix policy follows its own owners."""
         return backend_id in usable.members and load.load(backend_id) + 1 <= self._follow_limit
 
-    def may_place(self, backend_id: str, usable: Candidates, load: LoadTracker) -> bool:
-        """May a prefix nobody holds go to `backend_id` now: a candidate within the load bound, as the
-        prefix policy places one (for the shared store, which makes first placements)."""
-        if backend_id not in usable.members:
-            return False
+    def may_place(self, backends: Iterable[str], usable: Candidates, load: LoadTracker) -> tuple[bool, ...]:
+        """Which of `backends` a prefix nobody holds may go to now: candidates within the load bound,
+        as the prefix policy places one (for the shared store, which makes first placements). The
+        bound is computed once for them all."""
         cfg = self._config
-        if not cfg.spill:
-            return True
-        after = load.load(backend_id) + 1
-        if after <= least_bound(cfg.max_inflight, cfg.load_floor):
-            return True
-        return after <= load_bound(
+        floor = least_bound(cfg.max_inflight, cfg.load_floor) if cfg.spill else math.inf
+        limit = load_bound(
             load.total_load(), len(usable.ids), cfg.load_factor, cfg.max_inflight, cfg.load_floor
+        )
+        members = usable.members
+        return tuple(
+            b in members and ((after := load.load(b) + 1) <= floor or after <= limit) for b in backends
         )
 
     def shared_footprints(self, figures: Iterable[tuple[str, int, int, int]]) -> None:

@@ -132,7 +132,7 @@ def claim_request(
         and picker.owner_rank is not None
         and local.branch is Branch.CACHE_ROOM
     ):
-        room = "".join("1" if picker.may_place(b, usable, load) else "0" for b in listed)
+        room = "".join("1" if ok else "0" for ok in picker.may_place(listed, usable, load))
         capacities = tuple(ledgers.capacity(b) for b in listed)
     return ClaimRequest(
         blocks,
@@ -178,8 +178,9 @@ def resolve(
     one router ranks its index's owners: a system prompt every conversation starts with has one
     shared owner, and would herd every new conversation there.
 
-    `placed`: the store made this first placement (the claim's `room`), on every replica's
-    placements and holds as of its claim: it stands where the backend may take the request now."""
+    `placed`: the claim let the store make a first placement (its `room`); where it followed no
+    owner, it made it, on every replica's placements and holds as of the claim, and that stands
+    where the backend may take the request now."""
     chosen = answer.chosen
     mine = local.backend_id
     if placed and not answer.followed and chosen in usable and may_follow(chosen):
