@@ -33,10 +33,11 @@ with the command that reproduces it, printed and written to benchmarks/results/.
     python benchmarks/routing_quality.py --trace benchmarks/traces/mooncake_conversation_head2000.jsonl
     python benchmarks/routing_quality.py --workloads families --policies prefix prefix_ring \\
         --define-policy 'prefix_t05:routing.follow_threshold=0.5'
-    # real vLLM: no oracle, no layouts but the workload's seed; --reset-url-path empties the caches
-    # between runs (vLLM needs VLLM_SERVER_DEV_MODE=1); --prompt-scale shrinks every prompt
+    # real vLLM: no layouts but the workload's seed; --reset-url-path empties the caches between runs
+    # (vLLM needs VLLM_SERVER_DEV_MODE=1); --prompt-scale shrinks every prompt; --tokenizer (the served
+    # model's) gives each run the oracle on the engines' own tokens and KV blocks
     python benchmarks/routing_quality.py --backends http://gpu1:8000 http://gpu2:8000 --model MODEL \\
-        --reset-url-path /reset_prefix_cache --prompt-scale 0.25
+        --reset-url-path /reset_prefix_cache --prompt-scale 0.25 --tokenizer MODEL_PATH
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import RESULTS_DIR, package_version, print_header, sglang_router_argv
+from _engine_oracle import EngineFleet, chat_tokenizer, read_engine_fleet
 from prefix_router import __version__
 from prefix_router.loadgen.drivers import (
     RequestResult,
@@ -481,6 +483,7 @@ class LayoutContext:
     urls: list[str]
     oracle: float | None
     sizing: CacheSizing | None
+    engine: EngineFleet | None = None  # external vLLM backends with --tokenizer: their caches
 
 
 async def run_one(
@@ -499,11 +502,14 @@ async def run_one(
     """One (policy, setup) run on this layout's fleet, through `group` when it was started early."""
     sim = not args.backends
     workload = ctx.workload
+    oracle = ctx.oracle
     if not sim:  # external caches persist: a fresh seed per run so no run hits what another left
         workload = spec.make(layout + 1 + run_seed_offset(policy.name, setup, mode))
+        if ctx.engine is not None:
+            oracle = ctx.engine.oracle(workload).hit_rate
     target = Target(base_url="", backend_urls=tuple(ctx.urls), sim=sim,
                     reset_path=None if sim else args.reset_url_path)  # fmt: skip
-    run = Run(spec.name, policy.name, setup.name, layout, mode, None, ctx.oracle, backend_urls=ctx.urls)
+    run = Run(spec.name, policy.name, setup.name, layout, mode, None, oracle, backend_urls=ctx.urls)
 
     async def drive(run_target: Target) -> RunSummary:
         summary, results = await measure(
@@ -511,7 +517,7 @@ async def run_one(
             concurrency=spec.concurrency if mode == "closed" and not spec.timed else None,
             rate_per_s=spec.rate_per_s if mode == "open" and not spec.timed else None,
             timed=spec.timed, max_duration_s=args.open_duration if mode == "open" else None,
-            oracle_hit_rate=ctx.oracle,
+            oracle_hit_rate=oracle,
         )  # fmt: skip
         if args.diagnose:
             write_diagnosis(Path(args.diagnose), spec, ctx, policy, setup, layout, mode, summary, results)
@@ -696,7 +702,7 @@ async def run_workload(
     for layout in range(args.layouts):
         workload = spec.make(layout)
         if args.backends:
-            ctx = LayoutContext(workload, list(args.backends), None, None)
+            ctx = LayoutContext(workload, list(args.backends), None, None, args.engine_fleet)
             fleet_cm: Any = contextlib.nullcontext()
         else:
             sizing = size_cache(workload, args.fleet, args.cache_ratio, running_share(spec, args.fleet))
@@ -759,15 +765,19 @@ def aggregate(runs: list[Run]) -> list[Row]:
     by_key: dict[tuple[str, str, str, str], dict[int, Run]] = {}
     for r in runs:
         by_key.setdefault((r.workload, r.mode, r.policy, r.setup), {})[r.layout] = r
+    # Per layout, the mean of its runs' oracles: one value on the sim; external runs each draw their own.
+    layout_oracles: dict[tuple[str, str], dict[int, list[float]]] = {}
+    for r in runs:
+        if r.oracle is not None:
+            layout_oracles.setdefault((r.workload, r.mode), {}).setdefault(r.layout, []).append(r.oracle)
     rows: list[Row] = []
     seen_oracle: set[tuple[str, str]] = set()
     for (workload, mode, policy, setup), layouts in by_key.items():
         if (workload, mode) not in seen_oracle:
             seen_oracle.add((workload, mode))
-            oracles = {lay: r.oracle for lay, r in layouts.items() if r.oracle is not None}
-            if oracles:
+            if oracles := layout_oracles.get((workload, mode)):
                 rows.append(Row(workload, mode, ORACLE, "-", len(oracles), "ok",
-                                hit=Stat.of(list(oracles.values()), min),
+                                hit=Stat.of([statistics.fmean(v) for v in oracles.values()], min),
                                 of_oracle=Stat(1.0, 1.0)))  # fmt: skip
         ok = _summaries(layouts)
         statuses = {r.status for r in layouts.values() if r.summary is None}
@@ -856,6 +866,15 @@ def describe(spec: WorkloadSpec, contexts: list[LayoutContext], mode: str, args:
                 + f" of the working set (asked {args.cache_ratio:.0%}){floored}; "
                 f"max_num_seqs {MAX_NUM_SEQS}, "
                 f"router max_inflight {ROUTER_MAX_INFLIGHT}")  # fmt: skip
+    elif engines := [c.engine for c in contexts if c.engine is not None]:
+        engine = engines[0]
+        ratios = [engine.total_blocks / max(1, engine.working_set_blocks(c.workload)) for c in contexts]
+        per_backend = "/".join(map(str, engine.blocks_per_backend))
+        out += (f"; external backends {list(args.backends)} x {per_backend} "
+                f"KV blocks of {engine.block_size} tokens (their vllm:cache_config_info): the fleet holds "
+                f"{min(ratios):.0%}" + (f"-{max(ratios):.0%}" if max(ratios) - min(ratios) >= 0.005 else "")
+                + f" of a run's working set, tokenized with {args.tokenizer}; each run's oracle on its own "
+                "requests")  # fmt: skip
     else:
         out += f"; external backends {list(args.backends)}, no oracle"
     if spec.sglang_caveat:
@@ -905,6 +924,8 @@ def reproduce_command(args: argparse.Namespace, workload: str) -> str:
         cmd += ["--backends", *args.backends]
         if args.reset_url_path:
             cmd += ["--reset-url-path", args.reset_url_path]
+        if args.tokenizer:
+            cmd += ["--tokenizer", args.tokenizer]
     return shlex.join(cmd)
 
 
@@ -994,6 +1015,11 @@ async def run(args: argparse.Namespace) -> int:
         raise SystemExit("--prompt-scale, --time-scale and --cache-ratio must be positive")
     if args.reset_url_path and not args.backends:
         raise SystemExit("--reset-url-path applies to --backends (the sim is always reset)")
+    if args.tokenizer and not args.backends:
+        raise SystemExit("--tokenizer applies to --backends (the sim's oracle uses the sim's tokenizer)")
+    args.engine_fleet = (
+        read_engine_fleet(args.backends, chat_tokenizer(args.tokenizer)) if args.tokenizer else None
+    )
     args.layouts = args.layouts or (QUICK_LAYOUTS if args.quick else DEFAULT_LAYOUTS)
     if args.layouts < 1:
         raise SystemExit("--layouts must be at least 1")
@@ -1175,6 +1201,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="with --backends: POST this path on every backend before each run, e.g. "
         "/reset_prefix_cache (vLLM with VLLM_SERVER_DEV_MODE=1)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        metavar="PATH_OR_NAME",
+        help="with --backends (vLLM): the served model's tokenizer (needs transformers); the oracle then "
+        "runs on the engines' own tokens, block size and KV blocks from their vllm:cache_config_info",
     )
     p.add_argument(
         "--prompt-scale",

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib.util
 import shutil
 import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -247,3 +248,77 @@ def test_a_workload_sglang_cannot_be_compared_on_is_not_judged_against_it(rq: Mo
     assert not any("vs SGLang" in t for t in rq.check_targets(rows, ["tenants"]))
     tenants = next(s for s in rq.build_workloads(quick=True) if s.name == "tenants")
     assert "cache_salt" in tenants.sglang_caveat
+
+
+# -- the oracle against real engines (--backends with --tokenizer) ----------------------------------------
+
+
+def _engine_oracle(rq: ModuleType) -> ModuleType:
+    return sys.modules[rq.EngineFleet.__module__]  # loaded by routing_quality from benchmarks/
+
+
+def _chars(messages: Any) -> list[int]:
+    """A stand-in tokenizer, one token per character of the messages in order."""
+    return [ord(c) for m in messages for c in str(m["content"])]
+
+
+def test_an_engines_prompt_is_its_full_blocks_chained_and_salted(rq: ModuleType) -> None:
+    engine = rq.EngineFleet((4, 4), 4, _chars)
+    tokens, first = engine.prompt({"messages": [{"role": "user", "content": "abcdefgh" + "ij"}]})
+    assert tokens == 10 and len(first) == 2  # the partial third block is not cached, as on vLLM
+    _, other = engine.prompt({"messages": [{"role": "user", "content": "abcdXXXXij"}]})
+    assert other[0] == first[0] and other[1] != first[1]
+    _, moved = engine.prompt({"messages": [{"role": "user", "content": "XXXXefgh"}]})
+    assert moved[1] != first[1]  # a block's hash chains its whole prefix, not only its own tokens
+    _, salted = engine.prompt({"messages": [{"role": "user", "content": "abcdefgh"}], "cache_salt": "t1"})
+    assert salted[0] != first[0] and salted[1] != first[1]
+
+
+def test_the_engine_oracle_hits_whole_blocks_and_evicts_beyond_the_fleet(rq: ModuleType) -> None:
+    def workload(*texts: str) -> Any:
+        bodies = [{"messages": [{"role": "user", "content": t}]} for t in texts]
+        return SimpleNamespace(requests=[SimpleNamespace(body=b) for b in bodies])
+
+    engine = rq.EngineFleet((2, 1), 4, _chars)  # 3 blocks of 4 tokens in all
+    # The repeat hits floor((9 - 1) / 4) = 2 blocks of its 9 tokens: 8 of 18 prompt tokens.
+    assert engine.oracle(workload("a" * 9, "a" * 9)).hit_tokens == 8
+    # A prompt's head is its most recent block, so the second prompt leaves the first one's head...
+    assert engine.oracle(workload("abcdefgh", "ABCDEFGH", "abcdefgh")).hit_tokens == 4
+    # ...and a third pushes it out: 6 blocks through a cache of 3.
+    assert engine.oracle(workload("abcdefgh", "ABCDEFGH", "IJKLMNOP", "abcdefgh")).hit_tokens == 0
+    assert engine.working_set_blocks(workload("abcdefgh", "abcdEFGH")) == 3
+
+
+def test_the_engines_blocks_are_read_from_vllms_info_gauge(rq: ModuleType) -> None:
+    line = (
+        'vllm:cache_config_info{block_size="32",cache_dtype="auto",enable_prefix_caching="True",'
+        'num_cpu_blocks="None",num_gpu_blocks="300",num_gpu_blocks_override="300"} 1.0\n'
+    )
+    head = "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
+    head += "# TYPE vllm:cache_config_info gauge\n"
+    oracle = _engine_oracle(rq)
+    assert oracle.engine_blocks(head + line) == (300, 32)
+    assert (
+        oracle.engine_blocks("# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0.0\n")
+        is None
+    )
+
+
+async def test_an_external_fleet_states_its_caches_over_http(rq: ModuleType) -> None:
+    config = SimConfig(overhead_ms=1.0, itl_ms=0.1, capacity_blocks=77, block_size=16)
+    async with SimFleet(config, count=2) as fleet:  # the sim prints vLLM's info gauge
+        engine = await asyncio.to_thread(_engine_oracle(rq).read_engine_fleet, fleet.urls, _chars)
+    assert (engine.blocks_per_backend, engine.block_size, engine.total_blocks) == ((77, 77), 16, 154)
+
+
+def test_external_runs_each_with_its_own_oracle_give_the_layouts_mean(rq: ModuleType) -> None:
+    Run = rq.Run
+    runs = [  # external backends: every run draws its own requests, so its own oracle
+        Run("w", "prefix", "1", 0, "closed", _summary(0.36, 0.40, 1.0, 1.0), 0.40),
+        Run("w", "random", "1", 0, "closed", _summary(0.20, 0.44, 1.0, 1.0), 0.44),
+    ]
+    rows = {(r.policy, r.setup): r for r in rq.aggregate(runs)}
+    assert rows[("lru_oracle", "-")].hit.mean == pytest.approx(0.42)
+    assert rows[("prefix", "1")].of_oracle.mean == pytest.approx(0.9)
+    cmd = rq.reproduce_command(_args(backends=["http://127.0.0.1:1"], tokenizer="models/tiny"), "families")
+    assert "--backends http://127.0.0.1:1 --tokenizer models/tiny" in cmd
