@@ -898,14 +898,9 @@ def reproduce_command(args: argparse.Namespace, workload: str) -> str:
             cmd += ["--trace-time-unit-s", f"{args.trace_time_unit_s:g}"]
     else:
         cmd += ["--workloads", workload, "--modes", *args.modes]
-    cmd += [
-        "--layouts",
-        str(args.layouts),
-        "--cache-ratio",
-        f"{args.cache_ratio:g}",
-        "--fleet",
-        str(args.fleet),
-    ]
+    cmd += ["--layouts", str(args.layouts)]
+    if not args.backends:  # the sim's own fleet; external backends are what they are
+        cmd += ["--cache-ratio", f"{args.cache_ratio:g}", "--fleet", str(args.fleet)]
     if args.policies:
         cmd += ["--policies", *args.policies]
     for definition in args.define_policy or ():

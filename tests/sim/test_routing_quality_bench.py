@@ -322,3 +322,6 @@ def test_external_runs_each_with_its_own_oracle_give_the_layouts_mean(rq: Module
     assert rows[("prefix", "1")].of_oracle.mean == pytest.approx(0.9)
     cmd = rq.reproduce_command(_args(backends=["http://127.0.0.1:1"], tokenizer="models/tiny"), "families")
     assert "--backends http://127.0.0.1:1 --tokenizer models/tiny" in cmd
+    assert (
+        "--cache-ratio" not in cmd and "--fleet" not in cmd
+    )  # the sim's own; external backends are as they are
