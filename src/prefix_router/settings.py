@@ -309,7 +309,8 @@ class RoutingSettings(_Section):
         description="Where a prefix goes that no backend holds enough of. cache_room: the backend whose "
         "cache keeps things longest (best for one router, or replicas with shared state); ring: the ring's "
         "choice, which stateless replicas agree on (the ring key then takes the first message after the "
-        "preamble, and the prefix index is followed only past the ring key).",
+        "preamble unless that preamble carries little of the traffic, and the prefix index is followed "
+        "only past the ring key).",
     )
     kv_capacity_tokens: int | None = Field(
         None,
@@ -533,6 +534,9 @@ class Settings(BaseModel):
             # Placed by the ring, the preamble alone would send every conversation behind one system
             # prompt to the same backend from every replica.
             r.follow_threshold if r.first_placement is FirstPlacement.CACHE_ROOM else None,
+            # Placed by the ring, a preamble that carries little of the traffic is placed alone
+            # (routing/preamble_heat.py): the requests behind it then share a backend on every replica.
+            r.follow_threshold if r.first_placement is FirstPlacement.RING else None,
         )
 
     def balance_config(self) -> BalanceConfig:

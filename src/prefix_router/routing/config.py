@@ -49,6 +49,10 @@ class KeyConfig:
     # by the ring, where a preamble key would send every conversation behind one system prompt to
     # one backend on every replica).
     preamble_share: float | None = 0.5
+    # With first placements by the ring (preamble_share None): of the first exchange, for the key to
+    # carry the preamble's own ring position as well, which the picker takes while that preamble
+    # carries little of the traffic (routing/preamble_heat.py); None: never.
+    cold_preamble_share: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

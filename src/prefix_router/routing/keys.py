@@ -71,6 +71,10 @@ class RoutingKey:
     # however little of it filled a block of its own.
     prompt_end: int = field(default=0, compare=False)
     previous_prompt_end: int = field(default=0, compare=False)
+    # With `cold_preamble_share` (0: none): the ring position of the preamble alone and the bytes it
+    # covers, for the picker to place by while that preamble is cold (Picker.settle_ring_key).
+    preamble_ring_hash: int = field(default=0, compare=False)
+    preamble_bytes: int = field(default=0, compare=False)
 
     def covered_bytes(self, known_blocks: int) -> int:
         """Bytes of key material a backend holding the first `known_blocks` blocks has cached: those
@@ -124,10 +128,13 @@ def extract_key(path: str, body: bytes, tenant: str | None, config: KeyConfig) -
         if text:
             encoded = text.encode("utf-8", "surrogatepass")
             ring_end = config.prefix_chars
+            preamble = 0
             if config.ring_key is _RING_CONVERSATION and (
                 "messages" in doc or path.endswith(("/chat/completions", "/responses"))
             ):
                 ring_end = conversation_end(text, ring_end, config.preamble_share)
+                if config.cold_preamble_share is not None:
+                    preamble = cold_preamble_end(text, ring_end, config.cold_preamble_share)
             # The first ring_end characters: of ASCII text, the first as many bytes (a view: no copy).
             if text.isascii():
                 material: bytes | memoryview = memoryview(encoded)[:ring_end]
@@ -137,6 +144,14 @@ def extract_key(path: str, body: bytes, tenant: str | None, config: KeyConfig) -
             key.reply = reply = _reply_span(text, encoded, config.max_key_bytes)
             if ring_end < config.prefix_chars:
                 key.ring_bytes = len(material)
+            if preamble:
+                head = (
+                    material[:preamble]
+                    if text.isascii()
+                    else text[:preamble].encode("utf-8", "surrogatepass")
+                )
+                key.preamble_ring_hash = hash_rooted(_key_root(tenant, model), head)
+                key.preamble_bytes = len(head)
             if "messages" in doc:
                 full, ends, root = encoded[: config.max_key_bytes], key.ends, _key_root(tenant, model)
                 key.prompt_end = prompt_end_hash(root, full, ends, key.blocks, len(full))
@@ -167,6 +182,26 @@ _RING_CONVERSATION = RingKey.CONVERSATION
 # A preamble shorter than this (~256 tokens: "You are a helpful assistant.") is shared too widely and
 # saves too little to decide placement alone: the first message after it joins the key.
 MIN_PREAMBLE_CHARS = 1024
+
+
+# A preamble placed alone while it is cold: shorter ones save too little to group requests by.
+MIN_COLD_PREAMBLE_CHARS = 512
+
+
+def cold_preamble_end(text: str, ring_end: int, share: float) -> int:
+    """Where the preamble ends when it may be placed alone while cold: at least MIN_COLD_PREAMBLE_CHARS,
+    `share` of the first exchange, and short of `ring_end` (the ring key without it); else 0."""
+    pos = 0
+    while text.startswith(_MSG, pos) and text.startswith(_PREAMBLE, pos + 1):
+        pos = text.find(_MSG, pos + 1, ring_end)
+        if pos < 0:
+            return 0  # the preamble runs to the ring key's end: the ring key is the preamble already
+    if pos < MIN_COLD_PREAMBLE_CHARS:
+        return 0
+    first = text.find(_MSG, pos + 1, max(ring_end, int(pos / share) + 1) if share else ring_end)
+    if first < 0:
+        first = len(text)
+    return pos if pos >= share * first else 0
 
 
 def conversation_end(text: str, limit: int, preamble_share: float | None) -> int:

@@ -7,6 +7,7 @@ sent and answered; the policy (routing/policies/) only chooses. No I/O.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections.abc import Callable, Collection, Iterable
@@ -19,6 +20,7 @@ from prefix_router.routing.load import LoadTracker, follow_limit, least_bound, l
 from prefix_router.routing.policies import Policy as RoutingPolicy
 from prefix_router.routing.policies.baseline import LeastLoadedPolicy, RandomPolicy, RoundRobinPolicy
 from prefix_router.routing.policies.prefix import ROOM_CHOICES, PrefixPolicy, covers
+from prefix_router.routing.preamble_heat import PreambleHeat
 from prefix_router.routing.prefill import PendingPrefills
 from prefix_router.routing.prefix_index import PrefixIndex
 from prefix_router.routing.ring import HashRing
@@ -34,7 +36,7 @@ class Picker:
     """Holds what a policy remembers between requests (index, ledgers, pending prefills) and the
     policy; no I/O."""
 
-    __slots__ = ("_config", "_follow_limit", "_index", "_ledgers", "_policy", "_prefills")
+    __slots__ = ("_config", "_follow_limit", "_heat", "_index", "_ledgers", "_policy", "_prefills")
 
     def __init__(self, config: BalanceConfig, rng: random.Random | None = None) -> None:
         self._config = config
@@ -48,6 +50,8 @@ class Picker:
             else None
         )
         self._prefills = PendingPrefills()
+        # Placed by the ring, a key may carry its preamble's own ring position: taken while cold.
+        self._heat = PreambleHeat() if ours and config.first_placement is FirstPlacement.RING else None
         self._policy: RoutingPolicy
         if ours:
             self._policy = PrefixPolicy(config, self._index, self._ledgers, self._prefills)
@@ -128,6 +132,25 @@ class Picker:
     def covers(self, key: RoutingKey, known_blocks: int) -> bool:
         """Is a prefix of `known_blocks` blocks enough of this request to follow its owners?"""
         return covers(key, known_blocks, self._config.follow_threshold)
+
+    @property
+    def counts_preambles(self) -> bool:
+        """Does settle_ring_key count requests (first placements by the ring)?"""
+        return self._heat is not None
+
+    def settle_ring_key(self, key: RoutingKey, backends: int) -> RoutingKey:
+        """The key a request is placed by, once per request before its first pick: with first
+        placements by the ring, a key whose preamble is cold (routing/preamble_heat.py, over a fleet of
+        `backends`) is placed by the preamble alone, so every replica sends the requests behind it to
+        one backend; a hot one keeps the first message in its ring key, which spreads them."""
+        heat = self._heat
+        if heat is None:
+            return key
+        preamble = key.preamble_ring_hash
+        heat.observe(preamble)
+        if not preamble or heat.is_hot(preamble, backends):
+            return key
+        return dataclasses.replace(key, ring_hash=preamble, ring_bytes=key.preamble_bytes)
 
     def pick(
         self,
