@@ -327,6 +327,7 @@ def router_command(
     tag: str,
     shared_url: str | None,
     stateless_replica: bool = False,
+    sim: bool = True,
 ) -> list[str]:
     if policy.kind == "sglang":
         return sglang_router_argv(urls, port)
@@ -334,9 +335,12 @@ def router_command(
         # backend_header: the tenants workload's stickiness is read from it
         "server": {"host": "127.0.0.1", "port": port, "log_level": "warning", "backend_header": True},
         "backends": [{"url": u} for u in urls],
-        "balancing": {"max_inflight": ROUTER_MAX_INFLIGHT},
         "health": {"interval_s": 2.0},
     }
+    if sim:
+        # Twice the simulated engines' batch. Real engines batch far more (vLLM's max_num_seqs): in
+        # front of them the router runs its own default, as a user would, not a cap the engine lacks.
+        config["balancing"] = {"max_inflight": ROUTER_MAX_INFLIGHT}
     for section, values in policy.settings.items():
         config.setdefault(section, {}).update(values)
     if shared_url:
@@ -368,14 +372,14 @@ class RouterGroup:
 
     def __init__(
         self, policy: PolicySpec, urls: Sequence[str], replicas: int, workdir: Path, tag: str,
-        shared_url: str | None = None,
+        shared_url: str | None = None, sim: bool = True,
     ) -> None:  # fmt: skip
         self.policy = policy
         self._plan: list[tuple[list[str], str, Path]] = []
         for i in range(replicas):
             port = free_port()
             listed = list(urls[i:]) + list(urls[:i])
-            cmd = router_command(policy, listed, port, workdir, f"{tag}-{i}", shared_url, replicas > 1)
+            cmd = router_command(policy, listed, port, workdir, f"{tag}-{i}", shared_url, replicas > 1, sim)
             self._plan.append(
                 (cmd, f"http://127.0.0.1:{port}", workdir / f"router-{policy.name}-{tag}-{i}.log")
             )
@@ -533,7 +537,7 @@ async def run_one(
             if shared_url and setup.shared:
                 await redis_flush(shared_url)
             group = RouterGroup(policy, ctx.urls, setup.replicas, workdir, f"{layout}-{mode}-{setup.name}",
-                                shared_url if setup.shared else None)  # fmt: skip
+                                shared_url if setup.shared else None, sim)  # fmt: skip
             group.start()
             await group.ready()
         elif isinstance(group, BaseException):
@@ -623,6 +627,7 @@ async def start_early(
     workdir: Path,
     tag: str,
     skip: set[tuple[str, str]],
+    sim: bool = True,
 ) -> dict[tuple[str, str], RouterGroup | BaseException]:
     """Start every router of a layout side by side (not the shared-state ones: their Redis is flushed
     just before each starts) and wait until all are ready; a failure is kept for its run to report."""
@@ -630,7 +635,9 @@ async def start_early(
     for policy, setup in combos:
         key = (policy.name, setup.name)
         if policy.kind != "static" and not setup.shared and key not in skip:
-            groups[key] = RouterGroup(policy, urls, setup.replicas, workdir, f"{tag}-{setup.replicas}")
+            groups[key] = RouterGroup(
+                policy, urls, setup.replicas, workdir, f"{tag}-{setup.replicas}", sim=sim
+            )
             groups[key].start()
     outcomes = await asyncio.gather(*(g.ready() for g in groups.values()), return_exceptions=True)
     early: dict[tuple[str, str], RouterGroup | BaseException] = {}
@@ -657,7 +664,7 @@ async def run_layout(
 ) -> list[Run]:
     """Every (policy, setup) of one layout and mode, one after another on the layout's fleet."""
     runs: list[Run] = []
-    early = await start_early(combos, ctx.urls, workdir, f"{layout}-{mode}", unsupported)
+    early = await start_early(combos, ctx.urls, workdir, f"{layout}-{mode}", unsupported, not args.backends)
     try:
         for policy, setup in combos:
             label = f"{policy.name} [{setup.name}]"
@@ -874,9 +881,9 @@ def describe(spec: WorkloadSpec, contexts: list[LayoutContext], mode: str, args:
                 f"KV blocks of {engine.block_size} tokens (their vllm:cache_config_info): the fleet holds "
                 f"{min(ratios):.0%}" + (f"-{max(ratios):.0%}" if max(ratios) - min(ratios) >= 0.005 else "")
                 + f" of a run's working set, tokenized with {args.tokenizer}; each run's oracle on its own "
-                "requests")  # fmt: skip
+                "requests; router max_inflight its default")  # fmt: skip
     else:
-        out += f"; external backends {list(args.backends)}, no oracle"
+        out += f"; external backends {list(args.backends)}, no oracle; router max_inflight its default"
     if spec.sglang_caveat:
         out += f". Note: {spec.sglang_caveat}"
     return out

@@ -94,6 +94,18 @@ def test_stateless_replicas_of_ours_run_as_the_chart_renders_them(
     assert config.get("routing", {}).get("first_placement") == first_placement
 
 
+@pytest.mark.parametrize(("sim", "max_inflight"), [(True, 16), (False, None)], ids=["sim", "external"])
+def test_ours_is_capped_at_twice_the_sims_batch_and_runs_its_default_before_real_engines(
+    rq: ModuleType, sim: bool, max_inflight: int | None
+) -> None:
+    """A cap of 16 in front of two vLLM servers that batch hundreds made the router queue what SGLang's,
+    uncapped, sent on: the hot prefix lost its backend to whichever freed a slot."""
+    with tempfile.TemporaryDirectory() as tmp:
+        group = rq.RouterGroup(rq.PolicySpec("p", {}), ["http://127.0.0.1:1"], 1, Path(tmp), "t", sim=sim)
+        config = yaml.safe_load(Path(group.command.split("--config ")[1]).read_text())
+    assert config.get("balancing", {}).get("max_inflight") == max_inflight
+
+
 def test_the_cache_holds_the_asked_share_of_the_working_set_or_the_floor(rq: ModuleType) -> None:
     w = shared_prefix(groups=16, prompts_per_group=4, system_tokens=512, question_tokens=64)
     working = distinct_blocks(w, block_size=16)
