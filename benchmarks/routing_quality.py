@@ -34,8 +34,9 @@ with the command that reproduces it, printed and written to benchmarks/results/.
     python benchmarks/routing_quality.py --workloads families --policies prefix prefix_ring \\
         --define-policy 'prefix_t05:routing.follow_threshold=0.5'
     # real vLLM: no layouts but the workload's seed; --reset-url-path empties the caches between runs
-    # (vLLM needs VLLM_SERVER_DEV_MODE=1); --prompt-scale shrinks every prompt; --tokenizer (the served
-    # model's) gives each run the oracle on the engines' own tokens and KV blocks
+    # (vLLM needs VLLM_SERVER_DEV_MODE=1), so every run of a layout serves the same requests;
+    # --prompt-scale shrinks every prompt; --tokenizer (the served model's) gives each run the oracle
+    # on the engines' own tokens and KV blocks
     python benchmarks/routing_quality.py --backends http://gpu1:8000 http://gpu2:8000 --model MODEL \\
         --reset-url-path /reset_prefix_cache --prompt-scale 0.25 --tokenizer MODEL_PATH
 """
@@ -488,6 +489,28 @@ class LayoutContext:
     oracle: float | None
     sizing: CacheSizing | None
     engine: EngineFleet | None = None  # external vLLM backends with --tokenizer: their caches
+    _engine_oracle: float | None = None  # of `workload`, once computed
+
+    def engine_oracle(self, workload: Workload) -> float:
+        """The oracle of `workload` on the external engines' blocks (the layout's own: computed once)."""
+        assert self.engine is not None
+        if workload is not self.workload:
+            return self.engine.oracle(workload).hit_rate
+        if self._engine_oracle is None:
+            self._engine_oracle = self.engine.oracle(workload).hit_rate
+        return self._engine_oracle
+
+
+def requests_for_run(
+    spec: WorkloadSpec, ctx: LayoutContext, policy: str, setup: Setup, layout: int, mode: str,
+    args: argparse.Namespace,
+) -> Workload:  # fmt: skip
+    """The requests one run serves: the layout's. External caches persist, so without --reset-url-path
+    each run draws its own, and no run hits what another left; emptied before each run, every run of
+    a layout serves the same requests, as on the sim, and the policies compare on one draw."""
+    if args.backends and not args.reset_url_path:
+        return spec.make(layout + 1 + run_seed_offset(policy, setup, mode))
+    return ctx.workload
 
 
 async def run_one(
@@ -505,12 +528,10 @@ async def run_one(
 ) -> Run:
     """One (policy, setup) run on this layout's fleet, through `group` when it was started early."""
     sim = not args.backends
-    workload = ctx.workload
+    workload = requests_for_run(spec, ctx, policy.name, setup, layout, mode, args)
     oracle = ctx.oracle
-    if not sim:  # external caches persist: a fresh seed per run so no run hits what another left
-        workload = spec.make(layout + 1 + run_seed_offset(policy.name, setup, mode))
-        if ctx.engine is not None:
-            oracle = ctx.engine.oracle(workload).hit_rate
+    if not sim and ctx.engine is not None:
+        oracle = ctx.engine_oracle(workload)
     target = Target(base_url="", backend_urls=tuple(ctx.urls), sim=sim,
                     reset_path=None if sim else args.reset_url_path)  # fmt: skip
     run = Run(spec.name, policy.name, setup.name, layout, mode, None, oracle, backend_urls=ctx.urls)

@@ -337,3 +337,21 @@ def test_external_runs_each_with_its_own_oracle_give_the_layouts_mean(rq: Module
     assert (
         "--cache-ratio" not in cmd and "--fleet" not in cmd
     )  # the sim's own; external backends are as they are
+
+
+@pytest.mark.parametrize("reset", [True, False], ids=["caches-reset-paired", "caches-kept-fresh-draws"])
+def test_external_runs_serve_the_layouts_requests_when_the_caches_are_reset(
+    rq: ModuleType, reset: bool
+) -> None:
+    spec = next(s for s in rq.build_workloads(True) if s.name == "shared_prefix")
+    ctx = rq.LayoutContext(spec.make(0), ["http://127.0.0.1:1"], None, None)
+    args = _args(backends=ctx.urls, reset_url_path="/reset_prefix_cache" if reset else None)
+    ours = rq.requests_for_run(spec, ctx, "prefix", rq.Setup(), 0, "closed", args)
+    sglang = rq.requests_for_run(spec, ctx, "sglang_cache_aware", rq.Setup(), 0, "closed", args)
+    if reset:
+        assert ours is ctx.workload and sglang is ctx.workload
+    else:
+        bodies = [r.body for r in ours.requests]
+        assert bodies != [r.body for r in sglang.requests] and bodies != [
+            r.body for r in ctx.workload.requests
+        ]
