@@ -356,7 +356,7 @@ class Placer:
 
     def settle_ring_key(self, key: RoutingKey) -> RoutingKey:
         """The key to place every attempt of this request by (Picker.settle_ring_key); once a request."""
-        if not key.preamble_ring_hash and not self._picker.counts_preambles:
+        if not self._picker.counts_preambles:
             return key
         return self._picker.settle_ring_key(key, len(self._scope(key, self._backends.candidates)[1].ids))
 

@@ -191,17 +191,11 @@ MIN_COLD_PREAMBLE_CHARS = 512
 def cold_preamble_end(text: str, ring_end: int, share: float) -> int:
     """Where the preamble ends when it may be placed alone while cold: at least MIN_COLD_PREAMBLE_CHARS,
     `share` of the first exchange, and short of `ring_end` (the ring key without it); else 0."""
-    pos = 0
-    while text.startswith(_MSG, pos) and text.startswith(_PREAMBLE, pos + 1):
-        pos = text.find(_MSG, pos + 1, ring_end)
-        if pos < 0:
-            return 0  # the preamble runs to the ring key's end: the ring key is the preamble already
-    if pos < MIN_COLD_PREAMBLE_CHARS:
-        return 0
-    first = text.find(_MSG, pos + 1, max(ring_end, int(pos / share) + 1) if share else ring_end)
-    if first < 0:
-        first = len(text)
-    return pos if pos >= share * first else 0
+    exchange = _first_exchange(text, ring_end, share)
+    if exchange is None:
+        return 0  # the preamble runs to the ring key's end: the ring key is the preamble already
+    preamble, first = exchange
+    return preamble if preamble >= MIN_COLD_PREAMBLE_CHARS and preamble >= share * first else 0
 
 
 def conversation_end(text: str, limit: int, preamble_share: float | None) -> int:
@@ -211,20 +205,30 @@ def conversation_end(text: str, limit: int, preamble_share: float | None) -> int
 
     Both ends stay where they are as a conversation grows, so every turn has the ring position of the
     first, on every replica. Only the first `limit` characters are searched."""
+    exchange = _first_exchange(text, limit, preamble_share)
+    if exchange is None:
+        return limit  # the preamble runs past the limit
+    preamble, first = exchange
+    if preamble_share is not None and preamble >= MIN_PREAMBLE_CHARS and preamble >= preamble_share * first:
+        return preamble
+    return min(first, limit)
+
+
+def _first_exchange(text: str, limit: int, share: float | None) -> tuple[int, int] | None:
+    """(where the preamble ends, where the first message after it ends) in rendered OpenAI text; None
+    when the preamble runs past `limit`. The first message may end past the limit: with a `share`, it
+    is looked for as far as weighing the preamble against it needs, and where it is not found by
+    then, it ends there (or at the text's end)."""
     pos = 0
     while text.startswith(_MSG, pos) and text.startswith(_PREAMBLE, pos + 1):
         pos = text.find(_MSG, pos + 1, limit)
         if pos < 0:
-            return limit  # the preamble runs past the limit
-    preamble = pos
-    # The first message may end past the limit; far enough to weigh the preamble against it is enough.
-    bound = limit if not preamble_share else max(limit, int(preamble / preamble_share) + 1)
-    first = text.find(_MSG, preamble + 1, bound)
+            return None
+    bound = limit if not share else max(limit, int(pos / share) + 1)
+    first = text.find(_MSG, pos + 1, bound)
     if first < 0:
         first = min(bound, len(text))
-    if preamble_share is not None and preamble >= MIN_PREAMBLE_CHARS and preamble >= preamble_share * first:
-        return preamble
-    return min(first, limit)
+    return pos, first
 
 
 def _reply_span(text: str, encoded: bytes, limit: int) -> tuple[int, int]:
