@@ -1,9 +1,10 @@
 """Where one attempt of a request goes, and what it holds while it is there.
 
 choose (the routing policy's pick; with replicas sharing placements, the shared store's claim) →
-capacity wait (every backend at max_inflight: a bounded FIFO, woken by released leases and new load
-figures) → prefill hold (another request is computing this prefix on the chosen backend: wait, bounded,
-for its first byte) → a `Placement`: the backend, the decision, the lease on the backend and the claim
+capacity wait (every backend at max_inflight, or the one holding the request's prefix while no other
+is clearly less busy: a bounded FIFO, woken by released leases and new load figures) → prefill
+hold (another request is computing this prefix on the chosen backend: wait, bounded, for its first
+byte) → a `Placement`: the backend, the decision, the lease on the backend and the claim
 on the blocks this attempt prefills, given back together by one idempotent `release()`.
 
 Knows no HTTP: whoever sends the request (the relay; a front end that only places) reports the answer
@@ -38,7 +39,7 @@ from prefix_router.routing.shared_view import (
     resolve,
     stale_follow,
 )
-from prefix_router.waiters import wake_first
+from prefix_router.waiters import wake_first_taker
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,43 +120,52 @@ class SharedClaim:
 
 
 class CapacityWaiters:
-    """A bounded FIFO of requests waiting for any backend to drop below max_inflight."""
+    """A bounded FIFO of requests waiting for capacity: on any backend (every one is at
+    max_inflight), or on the one backend that holds their prefix (`for_backend`)."""
 
     __slots__ = ("_max", "_waiters")
 
     def __init__(self, max_waiting: int) -> None:
         self._max = max_waiting
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        # (the future a release resolves with the backend it freed, the backend waited for or None
+        # for any); a waiter that gave up stays until a wake-up passes it or its own wait removes it.
+        self._waiters: deque[tuple[asyncio.Future[str], str | None]] = deque()
 
     def __len__(self) -> int:
         return len(self._waiters)
 
-    async def wait(self, timeout_s: float) -> bool:
-        """Wait for a release; False at once when the queue is full, or after the timeout."""
+    async def wait(self, timeout_s: float, for_backend: str | None = None) -> str | None:
+        """Wait for a release: the backend it freed ('' when every waiter was woken); None at once
+        when the queue is full, or after the timeout."""
         if len(self._waiters) >= self._max or timeout_s <= 0:
-            return False
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
+            return None
+        fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        entry = (fut, for_backend)
+        self._waiters.append(entry)
         try:
             async with asyncio.timeout(timeout_s):
-                await fut
-            return True
+                return await fut
         except TimeoutError:
-            return False
+            return None
         finally:
             if not fut.done():
                 fut.cancel()
-            with contextlib.suppress(ValueError):  # wake_one() already took it
-                self._waiters.remove(fut)
+            with contextlib.suppress(ValueError):  # a wake-up already took it
+                self._waiters.remove(entry)
 
     def wake_all(self) -> None:
         while self._waiters:
-            fut = self._waiters.popleft()
+            fut, _ = self._waiters.popleft()
             if not fut.done():
-                fut.set_result(None)
+                fut.set_result("")
 
-    def wake_one(self) -> None:
-        wake_first(self._waiters)
+    def wake_one(self, freed: str, any_may_take: bool = True) -> None:
+        """A request on `freed` ended: wake the first waiter for it or for any backend; when none
+        waits for those and `any_may_take` (the backend is clearly less busy now), the first waiter
+        for another backend, which will go there rather than wait on."""
+        waiters = self._waiters
+        if not wake_first_taker(waiters, lambda wish: wish is None or wish == freed, freed) and any_may_take:
+            wake_first_taker(waiters, lambda wish: True, freed)
 
 
 class PrefillHold:
@@ -388,7 +398,12 @@ class Placer:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + config.queue_timeout_s
         wait = self._holds is not None and not exclude
+        # Wait for a full backend that holds the prefix rather than spill to one as busy, until the
+        # capacity wait's deadline; then any backend with room.
+        hold = pin is None and not exclude
         queued_s = 0.0  # time spent in the capacity queue, observed once per request
+        reason = "capacity"
+        freed = ""  # the backend whose release woke this request, while it has not used it
         while True:
             if pin is not None:
                 # The backend that stored the response named: no other one could answer.
@@ -396,7 +411,9 @@ class Placer:
                 decision = Decision(pin, Branch.AFFINITY) if present else None
             else:
                 ring, candidates = self._scope(key, self._backends.candidates_now(self._rng))
-                decision = self._picker.pick(key, ring, candidates, self._backends.load, exclude, wait=wait)
+                decision = self._picker.pick(
+                    key, ring, candidates, self._backends.load, exclude, wait=wait, hold=hold
+                )
             if decision is None:
                 raise NoBackend("no healthy backend is available")
             if decision.wait_for is not None:
@@ -410,17 +427,28 @@ class Placer:
                     decision, claim = await self._share(key, decision, ring, candidates)
                 if load.load(decision.backend_id) < config.max_inflight:
                     if queued_s:
-                        self._waits.waited("capacity", queued_s)
+                        self._waits.waited(reason, queued_s)
                     return decision, claim
                 # The fleet's counts of this moment put every choice at max_inflight: wait.
                 if claim is not None:
                     claim.release()
+            owner = decision.backend_id if decision.wait_owner else None
+            if owner is not None:
+                reason = "owner"
+                if freed and load.load(freed) < config.max_inflight:
+                    # Woken by a slot this request does not take (it waits for its owner): the
+                    # next waiter that would take it goes, or the wake-up is lost on this one.
+                    self._freed(freed)
             left = deadline - loop.time()
             began = time.perf_counter()
-            woken = await self._waiters.wait(left)
+            woken = await self._waiters.wait(left, owner)
             queued_s += time.perf_counter() - began
-            if not woken:
-                self._waits.waited("capacity", queued_s)
+            freed = woken or ""
+            if woken is None:
+                if hold:
+                    hold = False  # no room on its owner in time (or no place in the queue): any
+                    continue  # backend with room now
+                self._waits.waited(reason, queued_s)
                 raise Overloaded(
                     f"every backend is at its limit of {config.max_inflight} requests in flight",
                     retry_after_s=1,
@@ -529,6 +557,11 @@ class Placer:
 
     def _lease_ended(self, lease: Lease) -> None:
         lease.release()
-        self._backends.lease_ended(lease.backend_id)
+        backend = lease.backend_id
+        self._backends.lease_ended(backend)
+        self._freed(backend)
+
+    def _freed(self, backend: str) -> None:
+        """A slot on the backend is free: the first waiter that may take it goes."""
         if len(self._waiters):
-            self._waiters.wake_one()
+            self._waiters.wake_one(backend, self._picker.may_spill_to(backend, self._backends.load))

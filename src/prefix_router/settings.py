@@ -393,7 +393,11 @@ class BalancingSettings(_Section):
         64, ge=0, description="Requests that may wait for a free backend when every backend is full."
     )
     queue_timeout_s: float = Field(
-        0.5, ge=0, description="Seconds one may wait in that queue before a 503 + Retry-After."
+        0.5,
+        ge=0,
+        description="Seconds one may wait in that queue before a 503 + Retry-After; also how long a "
+        "request waits for the full backend holding its prefix while the others are as busy, before it "
+        "takes any backend with room.",
     )
 
 

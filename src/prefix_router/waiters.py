@@ -8,6 +8,11 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+K = TypeVar("K")
 
 
 def wake_first(waiters: deque[asyncio.Future[None]]) -> bool:
@@ -17,4 +22,23 @@ def wake_first(waiters: deque[asyncio.Future[None]]) -> bool:
         if not fut.done():
             fut.set_result(None)
             return True
+    return False
+
+
+def wake_first_taker(
+    waiters: deque[tuple[asyncio.Future[T], K]], takes: Callable[[K], bool], result: T
+) -> bool:
+    """Wake, with `result`, the first waiter still waiting whose wish (`K`: what it waits for) `takes`
+    accepts; the ones that gave up are dropped on the way. Whether there was one."""
+    i = 0
+    while i < len(waiters):
+        fut, wish = waiters[i]
+        if fut.done():
+            del waiters[i]
+            continue
+        if takes(wish):
+            del waiters[i]
+            fut.set_result(result)
+            return True
+        i += 1
     return False

@@ -245,3 +245,92 @@ def test_any_places_first_bytes_and_releases_give_everything_back(ops: list[tupl
         assert f.inflight == 0 and f.picker.prefilling == 0 and len(holds) == 0
 
     asyncio.run(run())
+
+
+OTHER_SYSTEM = "another team's system prompt " * 40
+
+
+async def _fill(f: Fleet, backend: str, system: str, n: int) -> list[Placement]:
+    """`n` requests in flight on `backend` (pinned there) behind `system`, answering already: the
+    index knows the backend holds it, and a running request there holds it."""
+    placed = [await f.placer.place(chat_key(system, f"filler {i}"), pin=backend) for i in range(n)]
+    for p in placed:
+        p.answered()
+        p.first_byte()  # prefilled: nothing to wait for but capacity
+    return placed
+
+
+async def _two_busy(
+    max_inflight: int, queue_timeout_s: float, on_owner: int, on_other: int
+) -> tuple[Fleet, list[Placement], list[Placement]]:
+    """Two backends: the first running `on_owner` requests behind SYSTEM, the other `on_other`
+    behind another prompt."""
+    f = Fleet(2, max_inflight=max_inflight, queue_timeout_s=queue_timeout_s)
+    owner, other = f.urls
+    return f, await _fill(f, owner, SYSTEM, on_owner), await _fill(f, other, OTHER_SYSTEM, on_other)
+
+
+def _release_all(f: Fleet, *placements: Placement) -> None:
+    for p in placements:
+        p.release()
+    assert f.inflight == 0 and f.placer.waiting == 0
+
+
+async def test_a_request_waits_for_its_full_owner_while_the_other_backend_is_as_busy() -> None:
+    # max_inflight 8, load factor 1.25: the other backend takes the request from its full owner only
+    # when it carries 5 or fewer (6.4 with the request).
+    f, on_owner, on_other = await _two_busy(8, 30.0, on_owner=8, on_other=7)
+    owner = f.urls[0]
+    task = asyncio.create_task(f.placer.place(chat_key(SYSTEM, "a new question")))
+    await settle()
+    assert f.placer.waiting == 1 and not task.done(), "the other backend has room but is as busy"
+    on_other.pop().release()  # 6 left there: still about as busy as the owner
+    await settle()
+    assert f.placer.waiting == 1 and not task.done()
+    on_owner.pop().release()
+    placed = await task
+    assert (placed.backend_id, placed.branch) == (owner, Branch.PREFIX_MATCH)
+    assert [reason for reason, _ in f.waits.waits] == ["owner"]
+    _release_all(f, placed, *on_owner, *on_other)
+
+
+async def test_a_request_waiting_for_its_owner_goes_where_a_backend_turns_clearly_less_busy() -> None:
+    f, on_owner, on_other = await _two_busy(8, 30.0, on_owner=8, on_other=6)
+    other = f.urls[1]
+    task = asyncio.create_task(f.placer.place(chat_key(SYSTEM, "a new question")))
+    await settle()
+    assert f.placer.waiting == 1
+    on_other.pop().release()  # 5 left: clearly less busy than the full owner
+    placed = await task
+    assert placed.backend_id == other and placed.branch is not Branch.PREFIX_MATCH
+    _release_all(f, placed, *on_owner, *on_other)
+
+
+async def test_the_wait_for_a_full_owner_ends_at_the_queue_timeout_on_a_backend_with_room() -> None:
+    f, on_owner, on_other = await _two_busy(4, 0.05, on_owner=4, on_other=3)
+    other = f.urls[1]
+    placed = await f.placer.place(chat_key(SYSTEM, "a new question"))
+    assert placed.backend_id == other, "room elsewhere: not refused after waiting for the owner"
+    ((reason, waited),) = f.waits.waits
+    assert reason == "owner" and waited >= 0.04
+    _release_all(f, placed, *on_owner, *on_other)
+
+
+async def test_a_slot_freed_elsewhere_goes_to_a_request_for_any_backend_not_to_the_owners_waiter() -> None:
+    f, on_owner, on_other = await _two_busy(4, 30.0, on_owner=4, on_other=4)
+    owner, other = f.urls
+    for_owner = asyncio.create_task(f.placer.place(chat_key(SYSTEM, "a new question")))
+    await settle()
+    for_any = asyncio.create_task(f.placer.place(chat_key("a prompt nobody sent yet " * 40, "q")))
+    await settle()
+    assert f.placer.waiting == 2
+    # 3 left there. The first waiter, queued for any backend while none had room, is woken, finds
+    # the other as busy as its owner, waits for its owner and passes the slot on.
+    on_other.pop().release()
+    went_anywhere = await for_any
+    assert went_anywhere.backend_id == other and not for_owner.done()
+    on_owner.pop().release()
+    went_to_owner = await for_owner
+    assert went_to_owner.backend_id == owner
+    assert sorted(reason for reason, _ in f.waits.waits) == ["capacity", "owner"]
+    _release_all(f, went_anywhere, went_to_owner, *on_owner, *on_other)

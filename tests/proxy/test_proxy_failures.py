@@ -100,6 +100,40 @@ async def test_bounded_wait_then_served_when_capacity_frees(fake_backends, route
         assert (await second).status == 200
 
 
+async def test_a_full_owner_is_waited_for_rather_than_a_spill_to_a_backend_as_busy(
+    fake_backends, router
+) -> None:
+    """Every backend busy: the one whose running requests hold the prefix is waited for (bounded),
+    not traded for a cold prefill on another as full; a user sees one queue, not a lost cache."""
+    backends = await fake_backends(2)
+    # max_inflight 2, load factor 1.25: another backend takes the request only while it is idle.
+    r = await router(
+        router_settings(backends, balancing={"max_inflight": 2, "queue_timeout_s": 10, "load_floor": 0})
+    )
+    hot = body("one hot system prompt " * 60)
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{r.url}{CHAT}", json=hot) as resp:  # teaches the router where it went
+            assert resp.status == 200
+            owner = next(b for b in backends if b.name == resp.headers["x-fake-backend"])
+        other = next(b for b in backends if b is not owner)
+        owner.gate, other.gate = asyncio.Event(), asyncio.Event()
+        held = [asyncio.create_task(s.post(f"{r.url}{CHAT}", json=hot)) for _ in range(2)]
+        await eventually(lambda: owner.active == 2)
+        elsewhere = asyncio.create_task(s.post(f"{r.url}{CHAT}", json=body("another prompt " * 60)))
+        await eventually(lambda: other.active == 1)
+        waiting = asyncio.create_task(s.post(f"{r.url}{CHAT}", json=hot))
+        await asyncio.sleep(0.2)
+        assert not waiting.done() and other.active == 1, "waits for its owner, not the busy other"
+        owner.gate.set()
+        resp = await waiting
+        assert resp.status == 200 and resp.headers["x-fake-backend"] == owner.name
+        resp.release()
+        other.gate.set()
+        for t in [*held, elsewhere]:
+            (await t).release()
+    await eventually(lambda: sum(r.inflight().values()) == 0)
+
+
 async def test_no_backend_gives_openai_shaped_503(router, client) -> None:
     dead_sock = free_socket()
     dead = f"http://127.0.0.1:{dead_sock.getsockname()[1]}"

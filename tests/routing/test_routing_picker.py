@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from keykit import bare_key
 from prefix_router.routing.config import BalanceConfig, FirstPlacement, KeyConfig, Policy, RingKey
 from prefix_router.routing.keys import RoutingKey, extract_key
-from prefix_router.routing.load import LoadTracker, load_ok
+from prefix_router.routing.load import LoadTracker, load_ok, spill_level
 from prefix_router.routing.picker import Branch, Candidates, Picker
 from prefix_router.routing.ring import HashRing, Member
 
@@ -60,6 +60,7 @@ def fits(backend: str, load: LoadTracker, candidates: Candidates, config: Balanc
     st.integers(1, 16),
     st.lists(st.tuples(st.integers(1, 6), st.sampled_from(IDS)), max_size=4),
     st.dictionaries(st.sampled_from(IDS), st.integers(0, 10), max_size=3),
+    st.booleans(),
 )
 def test_bounds_hold_whenever_some_backend_is_under_them(
     loads: list[int],
@@ -69,6 +70,7 @@ def test_bounds_hold_whenever_some_backend_is_under_them(
     max_inflight: int,
     placements: list[tuple[int, str]],
     external: dict[str, int],
+    hold: bool,
 ) -> None:
     config = BalanceConfig(load_factor=load_factor, max_inflight=max_inflight)
     load = tracker_with(dict(zip(IDS, loads, strict=True)))
@@ -77,13 +79,21 @@ def test_bounds_hold_whenever_some_backend_is_under_them(
     picker = Picker(config, random.Random(0))
     key = bare_key(ring_hash, blocks=(1, 2, 3, 4, 5, 6))
     for depth, backend in placements:  # the index may point anywhere, even at full or absent backends
-        picker.placed(bare_key(0, blocks=key.blocks[:depth]), backend)
+        placed = bare_key(0, blocks=key.blocks[:depth])
+        picker.chosen(placed, backend)  # in flight there: an owner that holds it may be waited for
+        picker.placed(placed, backend)
     candidates = Candidates.of(candidate_ids)
 
-    decision = picker.pick(key, RING, candidates, load)
+    decision = picker.pick(key, RING, candidates, load, hold=hold)
 
     assert decision is not None
     assert decision.backend_id in candidate_ids
+    if decision.wait_owner:
+        # Waited for only when full, another has room, and none is clearly less busy.
+        assert hold and load.load(decision.backend_id) + 1 > max_inflight
+        assert not any(picker.may_spill_to(b, load) for b in candidate_ids)
+        assert any(load.load(b) + 1 <= max_inflight for b in candidate_ids)
+        return
     if decision.branch is Branch.PREFIX_MATCH:
         # An owner of the prefix follows up to max_inflight: a warm queue beats a cold prefill.
         assert load.load(decision.backend_id) + 1 <= max_inflight
@@ -263,6 +273,77 @@ def test_an_owner_takes_its_prefix_past_the_relative_bound_while_a_request_there
     else:
         assert decision.backend_id != owner
         assert decision.branch is Branch.CACHE_ROOM
+
+
+@pytest.mark.parametrize(
+    ("others_load", "in_flight_there", "hold", "waits"),
+    [
+        # max_inflight 8, load factor 1.25: a backend clearly less busy than a full owner carries at
+        # most 8 / 1.25 = 6.4 with the request placed, so 5 now.
+        pytest.param(7, True, True, True, id="every-other-as-busy-waits"),
+        pytest.param(6, True, True, True, id="one-over-the-spill-level-waits"),
+        pytest.param(5, True, True, False, id="one-clearly-less-busy-takes-it"),
+        pytest.param(7, False, True, False, id="not-held-there-any-more-spills"),
+        pytest.param(7, True, False, False, id="not-asked-to-hold-spills"),
+        pytest.param(8, True, True, False, id="no-room-anywhere-waits-for-any"),
+    ],
+)
+def test_a_full_owner_holding_the_prefix_is_waited_for_while_no_other_is_clearly_less_busy(
+    others_load: int, in_flight_there: bool, hold: bool, waits: bool
+) -> None:
+    """When the owner is at max_inflight and the others are about as busy, a spill starts no
+    sooner: it only prefills the prefix again in a cold cache (and evicts what that cache held)."""
+    ids = IDS[:3]
+    ring = HashRing([Member(i) for i in ids], 160)
+    candidates = Candidates.of(ids)
+    picker = Picker(BalanceConfig(max_inflight=8))
+    key = bare_key(7, blocks=(1, 2, 3))
+    owner = list(ring.walk(7))[-1]
+    picker.chosen(key, owner)
+    picker.placed(key, owner)
+    if not in_flight_there:
+        picker.ended(key, owner)
+    load = tracker_with({b: 8 if b == owner else others_load for b in ids})
+    decision = picker.pick(bare_key(7, blocks=(1, 2, 3, 4)), ring, candidates, load, hold=hold)
+    assert decision is not None
+    if waits:
+        assert decision.backend_id == owner and decision.wait_owner
+        assert decision.branch is Branch.PREFIX_MATCH
+    elif others_load < 8:
+        assert decision.backend_id != owner and not decision.wait_owner
+        assert load.load(decision.backend_id) < 8
+    else:  # every backend full: the caller waits for the first release anywhere
+        assert decision.branch is Branch.FALLBACK and not decision.wait_owner
+
+
+def test_the_previous_turns_backend_is_waited_for_when_full() -> None:
+    picker = Picker(BalanceConfig(max_inflight=4))
+    ids = IDS[:2]
+    ring = HashRing([Member(i) for i in ids], 160)
+    first = chat_key("a question about the invoice " * 20)
+    taker = list(ring.walk(first.ring_hash))[-1]
+    picker.chosen(first, taker)
+    picker.placed(first, taker)
+    second = chat_key("a question about the invoice " * 20, "the answer " * 30, "and then?")
+    load = tracker_with({b: 4 if b == taker else 3 for b in ids})
+    decision = picker.pick(second, ring, Candidates.of(ids), load, hold=True)
+    assert decision is not None
+    assert (decision.backend_id, decision.wait_owner, decision.previous_turn) == (taker, True, True)
+
+
+@pytest.mark.parametrize(
+    ("max_inflight", "load_factor", "level"),
+    [
+        pytest.param(32, 1.25, 25.6, id="default"),
+        pytest.param(16, 2.0, 8.0, id="loose-factor"),
+        pytest.param(8, 1.0, 8.0, id="no-margin-any-room"),
+        pytest.param(8, 0.5, 8.0, id="factor-under-one-any-room"),
+    ],
+)
+def test_the_spill_level_is_a_full_owner_over_the_load_factor(
+    max_inflight: int, load_factor: float, level: float
+) -> None:
+    assert spill_level(max_inflight, load_factor) == pytest.approx(level)
 
 
 def test_a_new_prefix_keeps_the_relative_bound() -> None:

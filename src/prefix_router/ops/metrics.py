@@ -71,8 +71,9 @@ UPSTREAM_ERROR_KINDS = tuple(
 RETRY_REASONS = ("connect", "status_429", "status_503")  # proxy: connect failure, or the status seen
 PREFILL_OUTCOMES = ("ready", "timeout")
 # Why a request waited in the router before it was sent: every backend at max_inflight (capacity),
-# or another request prefilling its prefix on the chosen backend (prefill).
-WAIT_REASONS = ("capacity", "prefill")
+# the backend holding its prefix at max_inflight while no other was clearly less busy (owner), or
+# another request prefilling its prefix on the chosen backend (prefill).
+WAIT_REASONS = ("capacity", "owner", "prefill")
 # The `backend` and `branch` of a request the router answered before any backend was chosen (a body
 # over the limit, a malformed head, no healthy backend, a full queue).
 UNROUTED = "none"

@@ -44,3 +44,6 @@ class Decision:
     wait_for: int | None = None  # a prefill ticket: the backend is computing this prefix right now
     # The backend took the request's previous turn (this router's index says): its history is there.
     previous_turn: bool = field(default=False, compare=False)
+    # The backend holds the prefix but is at max_inflight, and the others with room are about as
+    # busy: the caller waits for its capacity rather than send the request to a cold cache as full.
+    wait_owner: bool = field(default=False, compare=False)

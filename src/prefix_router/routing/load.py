@@ -39,6 +39,17 @@ def follow_limit(max_inflight: int, spill: bool) -> float:
     return max_inflight if spill else math.inf
 
 
+def spill_level(max_inflight: int, load_factor: float) -> float:
+    """The most a backend may carry, the request placed, to take one whose owner (a backend holding
+    its prefix in a request in flight) is at max_inflight: clearly less busy than the owner, by the
+    load factor (SGLang's balance rule, max > ratio x min, at the owner's full load). Above it every
+    backend is about as busy as the owner, so spilling there buys no earlier start and costs a cold
+    prefill: the request waits for its owner (the capacity queue, bounded) instead."""
+    if load_factor <= 1.0:
+        return float(max_inflight)  # no margin asked: any backend under max_inflight takes it
+    return max_inflight / load_factor
+
+
 def least_bound(max_inflight: int, floor: int = 0) -> int:
     """The least load_bound can be over a fleet of one backend or more, whatever its load: a backend
     that stays at or under it fits without the fleet's total being looked at."""

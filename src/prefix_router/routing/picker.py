@@ -16,7 +16,7 @@ from prefix_router.routing.config import BalanceConfig, FirstPlacement, Policy
 from prefix_router.routing.decision import Branch, Candidates, Decision
 from prefix_router.routing.footprint import FootprintLedgers
 from prefix_router.routing.keys import RoutingKey, block_sizes
-from prefix_router.routing.load import LoadTracker, follow_limit, least_bound, load_bound
+from prefix_router.routing.load import LoadTracker, follow_limit, least_bound, load_bound, spill_level
 from prefix_router.routing.policies import Policy as RoutingPolicy
 from prefix_router.routing.policies.baseline import LeastLoadedPolicy, RandomPolicy, RoundRobinPolicy
 from prefix_router.routing.policies.prefix import ROOM_CHOICES, PrefixPolicy, covers
@@ -36,11 +36,21 @@ class Picker:
     """Holds what a policy remembers between requests (index, ledgers, pending prefills) and the
     policy; no I/O."""
 
-    __slots__ = ("_config", "_follow_limit", "_heat", "_index", "_ledgers", "_policy", "_prefills")
+    __slots__ = (
+        "_config",
+        "_follow_limit",
+        "_heat",
+        "_index",
+        "_ledgers",
+        "_policy",
+        "_prefills",
+        "_spill_level",
+    )
 
     def __init__(self, config: BalanceConfig, rng: random.Random | None = None) -> None:
         self._config = config
         self._follow_limit = follow_limit(config.max_inflight, config.spill)
+        self._spill_level = spill_level(config.max_inflight, config.load_factor)
         ours = config.policy is Policy.PREFIX
         self._index = PrefixIndex(config.prefix_index_entries) if config.prefix_index else None
         # The ledgers exist with the index: what ages out of a backend's cache leaves its owners.
@@ -92,6 +102,11 @@ class Picker:
     def follow_limit(self) -> float:
         """The most in flight on an owner that takes one more follower (routing.load.follow_limit)."""
         return self._follow_limit
+
+    def may_spill_to(self, backend_id: str, load: LoadTracker) -> bool:
+        """Is the backend clearly less busy than a full owner (routing.load.spill_level): may a
+        request waiting for its owner's capacity go there instead?"""
+        return load.load(backend_id) + 1 <= self._spill_level
 
     def may_follow(self, backend_id: str, usable: Candidates, load: LoadTracker) -> bool:
         """May `backend_id`, an owner of the request's prefix found elsewhere (the shared store), take
@@ -160,16 +175,19 @@ class Picker:
         load: LoadTracker,
         exclude: Collection[str] = (),
         wait: bool = False,
+        hold: bool = False,
     ) -> Decision | None:
         """A backend among `candidates` not in `exclude`; None when there is none.
 
         With `wait`, a request whose longest prefix another request is prefilling right now gets
-        that backend and the prefill's ticket, to wait on before it is sent.
+        that backend and the prefill's ticket, to wait on before it is sent. With `hold`, one whose
+        prefix a backend at max_inflight holds may get that backend (`Decision.wait_owner`), to wait
+        for its capacity, while no other is clearly less busy.
         """
         usable = candidates.without(exclude) if exclude else candidates
         if not usable.ids:
             return None
-        return self._policy.pick(key, ring, usable, load, wait)
+        return self._policy.pick(key, ring, usable, load, wait, hold)
 
     def chosen(self, key: RoutingKey, backend_id: str) -> None:
         """A request is being sent to the backend: its cache will hold these blocks.

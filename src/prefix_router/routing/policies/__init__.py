@@ -19,10 +19,18 @@ from prefix_router.routing.ring import HashRing
 
 class Policy(Protocol):
     def pick(
-        self, key: RoutingKey, ring: HashRing, usable: Candidates, load: LoadTracker, wait: bool
+        self,
+        key: RoutingKey,
+        ring: HashRing,
+        usable: Candidates,
+        load: LoadTracker,
+        wait: bool,
+        hold: bool = False,
     ) -> Decision:
         """One backend of `usable`, which is never empty; no I/O, no waiting.
 
         With `wait`, a policy that knows pending prefills may answer with one's ticket
-        (`Decision.wait_for`) for the caller to wait on before it sends."""
+        (`Decision.wait_for`) for the caller to wait on before it sends. With `hold`, one that
+        knows where a prefix is cached may answer with a backend at max_inflight
+        (`Decision.wait_owner`) for the caller to wait for, rather than spill the request."""
         ...

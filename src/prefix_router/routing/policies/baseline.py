@@ -20,7 +20,13 @@ class RandomPolicy:
         self._rng = rng
 
     def pick(
-        self, key: RoutingKey, ring: HashRing, usable: Candidates, load: LoadTracker, wait: bool
+        self,
+        key: RoutingKey,
+        ring: HashRing,
+        usable: Candidates,
+        load: LoadTracker,
+        wait: bool,
+        hold: bool = False,
     ) -> Decision:
         return Decision(self._rng.choice(usable.ids), _BALANCED)
 
@@ -32,7 +38,13 @@ class RoundRobinPolicy:
         self._cursor = 0
 
     def pick(
-        self, key: RoutingKey, ring: HashRing, usable: Candidates, load: LoadTracker, wait: bool
+        self,
+        key: RoutingKey,
+        ring: HashRing,
+        usable: Candidates,
+        load: LoadTracker,
+        wait: bool,
+        hold: bool = False,
     ) -> Decision:
         self._cursor += 1
         return Decision(usable.ids[self._cursor % len(usable.ids)], _BALANCED)
@@ -42,7 +54,13 @@ class LeastLoadedPolicy:
     __slots__ = ()
 
     def pick(
-        self, key: RoutingKey, ring: HashRing, usable: Candidates, load: LoadTracker, wait: bool
+        self,
+        key: RoutingKey,
+        ring: HashRing,
+        usable: Candidates,
+        load: LoadTracker,
+        wait: bool,
+        hold: bool = False,
     ) -> Decision:
         return Decision(least_loaded(usable.ids, load, ring, key.ring_hash), _BALANCED)
 

@@ -14,7 +14,9 @@ Order of preference:
    takes the request within the relative bound, and up to `max_inflight` while a request in flight
    there holds the prefix: waiting in a warm engine's queue costs less than a cold prefill elsewhere,
    and a hot prefix spread by the relative bound over more backends takes their caches from the
-   prefixes placed there;
+   prefixes placed there. With `hold`, an owner at `max_inflight` that holds the prefix that way is
+   waited for (`Decision.wait_owner`) while no backend is clearly less busy (`spill_level`): with
+   every backend about as full, a spill starts no sooner and only trades a warm queue for a cold one;
 2. a prefix no backend holds enough of goes, with `first_placement: cache_room`, to the backend of
    the first ROOM_CHOICES of the key's ring walk whose cache keeps things longest (`cache_room`), ties
    to the earliest of the walk; with `ring`, to the ring walk: its first backend is `affinity`, a later
@@ -31,7 +33,7 @@ from prefix_router.routing.config import BalanceConfig, FirstPlacement
 from prefix_router.routing.decision import Branch, Candidates, Decision
 from prefix_router.routing.footprint import FootprintLedgers
 from prefix_router.routing.keys import RoutingKey
-from prefix_router.routing.load import LoadTracker, follow_limit, least_bound, load_bound
+from prefix_router.routing.load import LoadTracker, follow_limit, least_bound, load_bound, spill_level
 from prefix_router.routing.policies.baseline import least_loaded
 from prefix_router.routing.prefill import Holders, PendingPrefills
 from prefix_router.routing.prefix_index import PrefixIndex
@@ -88,6 +90,7 @@ class PrefixPolicy:
         "_ledgers",
         "_owner_rank",
         "_prefills",
+        "_spill_level",
         "_threshold",
         "_under_floor",
     )
@@ -104,6 +107,8 @@ class PrefixPolicy:
         self._under_floor = least_bound(config.max_inflight, config.load_floor) if config.spill else math.inf
         # An owner of the request's prefix takes it up to this (see the module's docstring).
         self._follow_limit = follow_limit(config.max_inflight, config.spill)
+        # A backend at or under this takes a request whose owner is full (load.spill_level).
+        self._spill_level = spill_level(config.max_inflight, config.load_factor)
         self._index = index
         self._ledgers = ledgers
         self._free_now: dict[str, float] = ledgers.free_now if ledgers is not None else {}
@@ -114,7 +119,13 @@ class PrefixPolicy:
         self._prefills = prefills
 
     def pick(
-        self, key: RoutingKey, ring: HashRing, usable: Candidates, load: LoadTracker, wait: bool
+        self,
+        key: RoutingKey,
+        ring: HashRing,
+        usable: Candidates,
+        load: LoadTracker,
+        wait: bool,
+        hold: bool = False,
     ) -> Decision:
         cfg = self._config
         usable_set = usable.members
@@ -171,6 +182,16 @@ class PrefixPolicy:
                     after <= follow_limit and (fits(owner) or self._holds(owner, key.blocks[depth - 1]))
                 )
 
+            def waits_for(owner: str, depth: int) -> bool:
+                # Full, but surely warm; and another has room, none of them clearly less busy (with
+                # no room anywhere, the request waits for any backend, its owner among them).
+                return (
+                    hold
+                    and load_of(owner) + 1 > follow_limit
+                    and self._holds(owner, key.blocks[depth - 1])
+                    and self._only_as_busy_elsewhere(owner, usable.ids, load_of)
+                )
+
             def follow(owner: str) -> Decision:
                 # An owner still computing the prefix is waited for; one that has it cached takes
                 # the request now, before a wait for a copy computed elsewhere.
@@ -186,13 +207,17 @@ class PrefixPolicy:
                 taker = self._index.prompt_taker(key.previous_prompt_end)
                 if taker is not None and taker in usable_set:
                     held = self._index.longest_held(key.blocks, taker)
-                    if (
-                        covers(key, held, threshold)
-                        or (held and self._by_room and self._continues(key, held))
-                    ) and admits(taker, held):
-                        decision = follow(taker)
-                        decision.previous_turn = True
-                        return decision
+                    continued = held and self._by_room and self._continues(key, held)
+                    if covers(key, held, threshold) or continued:
+                        if admits(taker, held):
+                            decision = follow(taker)
+                        elif waits_for(taker, held):
+                            decision = Decision(taker, _PREFIX_MATCH, wait_owner=True)
+                        else:
+                            decision = None
+                        if decision is not None:
+                            decision.previous_turn = True
+                            return decision
             # Under the threshold, with cache room: the part still held saves its prefill only where
             # it is (a system prompt branches at every new conversation, so it is not followed this
             # way). With the ring, the ring key takes such a request back where its prompt went.
@@ -204,6 +229,9 @@ class PrefixPolicy:
                 for owner in owners:
                     if owner in usable_set and admits(owner, known):
                         return follow(owner)
+                for owner in owners:
+                    if owner in usable_set and waits_for(owner, known):
+                        return Decision(owner, _PREFIX_MATCH, wait_owner=True)
             if prefilling:
                 for backend, ticket in prefilling:
                     if backend in usable_set and may_follow(backend):
@@ -237,6 +265,14 @@ class PrefixPolicy:
             return False
         seen = index.seen_depth(blocks, held)
         return covers(key, seen, self._threshold) or not index.branches(blocks[seen - 1])
+
+    def _only_as_busy_elsewhere(
+        self, owner: str, backends: tuple[str, ...], load_of: Callable[[str], float]
+    ) -> bool:
+        """Has a backend other than the full owner room (under max_inflight), and is none of them
+        clearly less busy (at or under the spill level, the request placed)?"""
+        least = min((load_of(b) for b in backends if b != owner), default=math.inf)
+        return self._spill_level < least + 1 <= self._config.max_inflight
 
     def _holds(self, backend: str, block: int) -> bool:
         """Does a request in flight on the backend hold this block (without ledgers: assume so)?"""
