@@ -364,11 +364,11 @@ class Placer:
         branch = Branch.RETRY if exclude else decision.branch
         return Placement(self, key, decision, branch, lease, hold, claim)
 
-    def settle_ring_key(self, key: RoutingKey) -> RoutingKey:
-        """The key to place every attempt of this request by (Picker.settle_ring_key); once a request."""
+    def settle_key(self, key: RoutingKey) -> RoutingKey:
+        """The key to place every attempt of this request by (Picker.settle_key); once a request."""
         if not self._picker.counts_preambles:
             return key
-        return self._picker.settle_ring_key(key, len(self._scope(key, self._backends.candidates)[1].ids))
+        return self._picker.settle_key(key, len(self._scope(key, self._backends.candidates)[1].ids))
 
     def knows_model(self, model: str | None) -> bool:
         """A model name the fleet's listings (or the adapter configuration) name; False without them."""

@@ -95,9 +95,7 @@ class Proxy:
             # target is only ever a configured backend.
             raise BadRequest("the request target must be a path starting with '/'")
         body = ex.body
-        key = self._placer.settle_ring_key(
-            extract_key(ex.path, body, self._tenant(ex.headers), self._key_config)
-        )
+        key = self._placer.settle_key(extract_key(ex.path, body, self._tenant(ex.headers), self._key_config))
         if self._placer.knows_model(key.model):
             ex.model = key.model
         target, pin, responses = ex.target, None, ex.path.startswith(RESPONSES_PATH)

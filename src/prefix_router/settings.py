@@ -538,9 +538,11 @@ class Settings(BaseModel):
             # Placed by the ring, the preamble alone would send every conversation behind one system
             # prompt to the same backend from every replica.
             r.follow_threshold if r.first_placement is FirstPlacement.CACHE_ROOM else None,
-            # Placed by the ring, a preamble that carries little of the traffic is placed alone
-            # (routing/preamble_heat.py): the requests behind it then share a backend on every replica.
-            r.follow_threshold if r.first_placement is FirstPlacement.RING else None,
+            # The preamble's own position: placed by the ring, one that carries little of the traffic
+            # is placed alone (routing/preamble_heat.py), so the requests behind it share a backend on
+            # every replica; by cache room, a conversation behind one that carries less than a
+            # backend's share stays where that preamble is cached.
+            r.follow_threshold,
         )
 
     def balance_config(self) -> BalanceConfig:

@@ -131,7 +131,7 @@ def test_stateless_replicas_spread_conversations_behind_one_system_prompt_and_ag
                     messages.append({"role": "assistant", "content": f"answer {t} of {conv} " * 20})
             key = extract_key(CHAT, orjson.dumps({"model": "m", "messages": messages}), None, key_config)
             app = next(replica)
-            key = app.placer.settle_ring_key(key)  # as the relay does, once a request
+            key = app.placer.settle_key(key)  # as the relay does, once a request
             decision = app.picker.pick(key, app.backends.ring, app.backends.candidates, app.backends.load)
             assert decision is not None
             app.picker.placed(key, decision.backend_id)

@@ -346,6 +346,61 @@ def test_the_spill_level_is_a_full_owner_over_the_load_factor(
     assert spill_level(max_inflight, load_factor) == pytest.approx(level)
 
 
+FAMILY = "You are the billing assistant of one product. " * 32  # a system prompt 8 chats share
+CACHE_ROOM_KEYS = KeyConfig(preamble_share=0.5, cold_preamble_share=0.5)  # as settings build them
+
+
+def family_turn(chat: int, turns: int) -> RoutingKey:
+    """A chat of the family at its `turns`-th turn, each reply long: the family's system prompt is
+    most of a first turn and a small part of a later one."""
+    messages = [{"role": "system", "content": FAMILY}]
+    for t in range(turns):
+        if t:
+            messages.append({"role": "assistant", "content": f"reply {t} of chat {chat}. " * 120})
+        messages.append({"role": "user", "content": f"question {t} of chat {chat}. " * 30})
+    body = orjson.dumps({"model": "m", "messages": messages})
+    return extract_key("/v1/chat/completions", body, None, CACHE_ROOM_KEYS)
+
+
+@pytest.mark.parametrize(
+    ("minor", "head_elsewhere", "stays"),
+    [
+        pytest.param(True, False, True, id="minor-preamble-stays-where-it-is-cached"),
+        pytest.param(False, False, False, id="fleet-wide-preamble-moves-by-cache-room"),
+        pytest.param(True, True, False, id="minor-preamble-moves-where-room-and-head-are"),
+    ],
+)
+def test_a_conversation_whose_own_turns_aged_out_stays_with_its_minor_preamble(
+    minor: bool, head_elsewhere: bool, stays: bool
+) -> None:
+    ids = IDS[:2]
+    ring = HashRing([Member(i) for i in ids], 160)
+    picker = Picker(BalanceConfig())
+    first, later = family_turn(1, 1), family_turn(1, 2)
+    taker, other = ids
+    placements = [(first, taker), (family_turn(2, 1), taker)]  # the head branches on the taker
+    if head_elsewhere:
+        placements.append((family_turn(3, 1), other))  # the roomier backend holds the head too
+    for key, backend in placements:
+        picker.chosen(key, backend)
+        picker.placed(key, backend)
+        picker.ended(key, backend)
+    head = sum(1 for end in later.ends if end <= len(FAMILY))  # blocks of the system prompt alone
+    picker.forget_placed(first, taker, head)  # the chat's own blocks aged out of the taker's cache
+    assert not picker.covers(later, head), "the head alone is under the follow threshold"
+    later.minor_preamble = minor
+    decision = picker.pick(later, ring, Candidates.of(ids), LoadTracker())
+    assert decision is not None
+    if stays:
+        assert (decision.backend_id, decision.branch, decision.previous_turn) == (
+            taker,
+            Branch.PREFIX_MATCH,
+            True,
+        )
+    else:
+        assert (decision.backend_id, decision.branch) == (other, Branch.CACHE_ROOM)
+
+
 def test_a_new_prefix_keeps_the_relative_bound() -> None:
     picker = Picker(BalanceConfig(max_inflight=8, load_floor=0))
     owner = list(RING.walk(7))[-1]

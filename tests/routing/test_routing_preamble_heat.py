@@ -1,5 +1,5 @@
 """The share of recent traffic each preamble carries (routing/preamble_heat.py), and how stateless
-replicas place by it (Picker.settle_ring_key): a system prompt a few requests share is placed alone,
+replicas place by it (Picker.settle_key): a system prompt a few requests share is placed alone,
 one that starts much of the traffic keeps the first message in its ring key."""
 
 from __future__ import annotations
@@ -135,7 +135,6 @@ def test_a_long_system_prompt_gives_every_question_behind_it_one_preamble_positi
         pytest.param(None, "a question", id="no-preamble"),
         pytest.param("s" * (MIN_COLD_PREAMBLE_CHARS - 20), "q", id="preamble-too-short"),
         pytest.param(SYSTEM_2000, "q" * 3000, id="preamble-under-half-the-first-exchange"),
-        pytest.param("s" * 5000, "q", id="preamble-past-prefix-chars"),
     ],
 )
 def test_no_preamble_position_where_the_preamble_may_not_be_placed_alone(
@@ -145,12 +144,64 @@ def test_no_preamble_position_where_the_preamble_may_not_be_placed_alone(
     assert key.preamble_ring_hash == 0 and key.preamble_bytes == 0
 
 
+CACHE_ROOM_KEYS = KeyConfig(preamble_share=0.5, cold_preamble_share=0.5)  # as settings build them
+
+
+@pytest.mark.parametrize(
+    ("system", "config"),
+    [
+        pytest.param("s" * 5000, RING_KEYS, id="ring-preamble-past-prefix-chars"),
+        pytest.param(SYSTEM_2000, CACHE_ROOM_KEYS, id="cache-room-ring-key-is-the-preamble"),
+    ],
+)
+def test_a_preamble_that_is_the_whole_ring_key_has_the_ring_keys_position(
+    system: str, config: KeyConfig
+) -> None:
+    """The ring key is the preamble already (or its first prefix_chars): the preamble's position is
+    the ring key's, so every question behind it is counted as one preamble."""
+    keys = []
+    for i in range(3):
+        body = orjson.dumps(
+            {
+                "model": "m",
+                "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"q{i}"}],
+            }
+        )
+        keys.append(extract_key(CHAT, body, None, config))
+    assert len({(k.ring_hash, k.preamble_ring_hash) for k in keys}) == 1
+    assert keys[0].preamble_ring_hash == keys[0].ring_hash != 0
+    assert keys[0].preamble_bytes == min(4096, len(SYSTEM_MARK + system))
+
+
 def test_the_preamble_position_is_seeded_by_tenant_and_absent_with_cache_room_keys() -> None:
     assert (
         _chat(SYSTEM_2000, "q", "t1").preamble_ring_hash != _chat(SYSTEM_2000, "q", "t2").preamble_ring_hash
     )
     body = orjson.dumps({"model": "m", "messages": [{"role": "system", "content": SYSTEM_2000}]})
     assert extract_key(CHAT, body, None, KeyConfig()).preamble_ring_hash == 0
+
+
+# The picker: first placements by cache room.
+
+
+def _settled(picker: Picker, system: str, question: str) -> RoutingKey:
+    """A first turn's key as settings build it for cache-room placement, settled over 2 backends."""
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    body = orjson.dumps({"model": "m", "messages": messages})
+    return picker.settle_key(extract_key(CHAT, body, None, CACHE_ROOM_KEYS), 2)
+
+
+def test_by_cache_room_a_preamble_under_one_backends_share_of_the_traffic_is_minor() -> None:
+    """Three products' system prompts over 2 backends: each carries a third of the traffic, under a
+    backend's half, so it is cached on few backends and its conversations stay where it is; one
+    system prompt all traffic shares is cached everywhere."""
+    products = [f"You are the assistant of product {p}. " * 40 for p in range(3)]
+    picker = Picker(BalanceConfig())
+    keys = [_settled(picker, products[i % 3], f"q{i}") for i in range(60)]
+    assert all(k.minor_preamble for k in keys[6:])
+    assert all(k.ring_hash == k.preamble_ring_hash for k in keys), "the ring key stays as it was"
+    picker = Picker(BalanceConfig())
+    assert not any(_settled(picker, products[0], f"q{i}").minor_preamble for i in range(20))
 
 
 # The picker: stateless replicas placing by the ring.
@@ -162,7 +213,7 @@ def _pickers(n: int) -> list[Picker]:
 
 
 def _place(picker: Picker, key: RoutingKey, ring: HashRing, load: LoadTracker) -> str:
-    settled = picker.settle_ring_key(key, len(URLS))
+    settled = picker.settle_key(key, len(URLS))
     decision = picker.pick(settled, ring, Candidates.of(URLS), load)
     assert decision is not None
     picker.placed(settled, decision.backend_id)

@@ -49,9 +49,9 @@ class KeyConfig:
     # by the ring, where a preamble key would send every conversation behind one system prompt to
     # one backend on every replica).
     preamble_share: float | None = 0.5
-    # With first placements by the ring (preamble_share None): of the first exchange, for the key to
-    # carry the preamble's own ring position as well, which the picker takes while that preamble
-    # carries little of the traffic (routing/preamble_heat.py); None: never.
+    # Of the first exchange, for the key to carry the preamble's own ring position as well, by which
+    # the picker tells how much of the traffic that preamble carries (routing/preamble_heat.py) and,
+    # with first placements by the ring, places by it while that is little; None: never.
     cold_preamble_share: float | None = None
 
 

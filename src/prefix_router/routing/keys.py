@@ -72,9 +72,12 @@ class RoutingKey:
     prompt_end: int = field(default=0, compare=False)
     previous_prompt_end: int = field(default=0, compare=False)
     # With `cold_preamble_share` (0: none): the ring position of the preamble alone and the bytes it
-    # covers, for the picker to place by while that preamble is cold (Picker.settle_ring_key).
+    # covers, for the picker to place by while that preamble is cold (Picker.settle_key).
     preamble_ring_hash: int = field(default=0, compare=False)
     preamble_bytes: int = field(default=0, compare=False)
+    # Set once by Picker.settle_key, before the first pick: the preamble carries less than one
+    # backend's share of the recent traffic, so its cache lives on few backends.
+    minor_preamble: bool = field(default=False, compare=False)
 
     def covered_bytes(self, known_blocks: int) -> int:
         """Bytes of key material a backend holding the first `known_blocks` blocks has cached: those
@@ -189,11 +192,12 @@ MIN_COLD_PREAMBLE_CHARS = 512
 
 
 def cold_preamble_end(text: str, ring_end: int, share: float) -> int:
-    """Where the preamble ends when it may be placed alone while cold: at least MIN_COLD_PREAMBLE_CHARS,
-    `share` of the first exchange, and short of `ring_end` (the ring key without it); else 0."""
+    """Where the preamble ends when it may be placed alone while cold: at least MIN_COLD_PREAMBLE_CHARS
+    and `share` of the first exchange; `ring_end` when it runs to the ring key's end (the ring key is
+    the preamble already, or as much of it as a key holds); else 0."""
     exchange = _first_exchange(text, ring_end, share)
     if exchange is None:
-        return 0  # the preamble runs to the ring key's end: the ring key is the preamble already
+        return ring_end
     preamble, first = exchange
     return preamble if preamble >= MIN_COLD_PREAMBLE_CHARS and preamble >= share * first else 0
 

@@ -37,6 +37,7 @@ class Picker:
     policy; no I/O."""
 
     __slots__ = (
+        "_by_ring",
         "_config",
         "_follow_limit",
         "_heat",
@@ -60,8 +61,11 @@ class Picker:
             else None
         )
         self._prefills = PendingPrefills()
-        # Placed by the ring, a key may carry its preamble's own ring position: taken while cold.
-        self._heat = PreambleHeat() if ours and config.first_placement is FirstPlacement.RING else None
+        # How much of the traffic each preamble carries: placed by the ring, a key takes its
+        # preamble's own ring position while that is cold; by cache room, a conversation behind a
+        # minor one stays where it is cached.
+        self._heat = PreambleHeat() if ours else None
+        self._by_ring = config.first_placement is FirstPlacement.RING
         self._policy: RoutingPolicy
         if ours:
             self._policy = PrefixPolicy(config, self._index, self._ledgers, self._prefills)
@@ -150,20 +154,27 @@ class Picker:
 
     @property
     def counts_preambles(self) -> bool:
-        """Does settle_ring_key count requests (first placements by the ring)?"""
+        """Does settle_key count requests (the prefix policy)?"""
         return self._heat is not None
 
-    def settle_ring_key(self, key: RoutingKey, backends: int) -> RoutingKey:
-        """The key a request is placed by, once per request before its first pick: with first
-        placements by the ring, a key whose preamble is cold (routing/preamble_heat.py, over a fleet of
-        `backends`) is placed by the preamble alone, so every replica sends the requests behind it to
-        one backend; a hot one keeps the first message in its ring key, which spreads them."""
+    def settle_key(self, key: RoutingKey, backends: int) -> RoutingKey:
+        """The key a request is placed by, once per request before its first pick, its preamble
+        counted (routing/preamble_heat.py, over a fleet of `backends`). With first placements by the
+        ring, a key whose preamble is cold is placed by the preamble alone, so every replica sends the
+        requests behind it to one backend; a hot one keeps the first message in its ring key, which
+        spreads them. By cache room, a key whose preamble carries less than one backend's share of
+        the traffic is marked `minor_preamble` (set here, as the key is completed, before any use)."""
         heat = self._heat
         if heat is None:
             return key
         preamble = key.preamble_ring_hash
         heat.observe(preamble)
-        if not preamble or heat.is_hot(preamble, backends):
+        if not preamble:
+            return key
+        if not self._by_ring:
+            key.minor_preamble = heat.share(preamble) < 1.0 / max(1, backends)
+            return key
+        if heat.is_hot(preamble, backends):
             return key
         return dataclasses.replace(key, ring_hash=preamble, ring_bytes=key.preamble_bytes)
 

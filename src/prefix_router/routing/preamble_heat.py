@@ -66,6 +66,11 @@ class PreambleHeat:
         d = self._decay
         return float((1.0 - d**self._tick) / (1.0 - d))
 
+    def share(self, preamble: int) -> float:
+        """The share of the recent traffic (decayed alike) that carried this preamble."""
+        total = self.total()
+        return self.count(preamble) / total if total > 0 else 0.0
+
     def is_hot(self, preamble: int, backends: int) -> bool:
         """Does this preamble carry more than `hot_share` of the recent traffic (and enough requests
         to tell)?"""

@@ -7,7 +7,10 @@ Order of preference:
    new conversations onto the backends that first took it. With cache room, a prefix under that share
    is followed too when the request continues a prompt placed before rather than shares a preamble
    with it (`_continues`: nothing else branched from the held head, and the blocks seen, held or aged
-   out since, cover the share or have not branched either). With ledgers, the owner whose cache keeps
+   out since, cover the share or have not branched either), and a conversation's next turn stays
+   with the backend that took the previous one, within the relative bound, when only a head it shares
+   is still held there and that head is a minor preamble (`RoutingKey.minor_preamble`) the cache-room
+   choice holds less of. With ledgers, the owner whose cache keeps
    things longest first (every owner has the prefix: the conversation it starts grows where its cache
    has room), the first holder on a tie; without, the first holder first. With `first_placement:
    ring`, only a prefix that reaches the ring key's end is followed (`covers_ring_key`). An owner
@@ -216,6 +219,19 @@ class PrefixPolicy:
                         else:
                             decision = None
                         if decision is not None:
+                            decision.previous_turn = True
+                            return decision
+                    elif held and self._by_room and key.minor_preamble and fits(taker):
+                        # Its own turns aged out there and a head it shares with other conversations
+                        # is all that is still held; that head (a product's system prompt) carries
+                        # under one backend's share of the traffic, so it is cached on few backends:
+                        # the conversation stays within the relative bound where it saves the
+                        # prefill, unless cache room would send it where as much of it is cached. A
+                        # head the whole fleet's traffic shares is cached everywhere: such turns
+                        # move by cache room, which keeps the fleet balanced.
+                        roomiest = self._roomiest(key.ring_hash, key.size, ring, usable_set, fits)
+                        if roomiest in (None, taker) or self._index.longest_held(key.blocks, roomiest) < held:
+                            decision = follow(taker)
                             decision.previous_turn = True
                             return decision
             # Under the threshold, with cache room: the part still held saves its prefill only where
