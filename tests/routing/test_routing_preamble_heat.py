@@ -171,6 +171,11 @@ def test_a_preamble_that_is_the_whole_ring_key_has_the_ring_keys_position(
     assert len({(k.ring_hash, k.preamble_ring_hash) for k in keys}) == 1
     assert keys[0].preamble_ring_hash == keys[0].ring_hash != 0
     assert keys[0].preamble_bytes == min(4096, len(SYSTEM_MARK + system))
+    # Settled while cold, placed by the ring, it is the key it was (a ring key cut at prefix_chars
+    # keeps saying so: its ring_bytes stay 0).
+    ring_placed = Picker(BalanceConfig(first_placement=FirstPlacement.RING))
+    assert ring_placed.settle_key(keys[0], 4) == keys[0]
+    assert ring_placed.settle_key(keys[1], 4).ring_bytes == keys[1].ring_bytes
 
 
 def test_the_preamble_position_is_seeded_by_tenant_and_absent_with_cache_room_keys() -> None:

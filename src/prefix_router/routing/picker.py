@@ -174,8 +174,8 @@ class Picker:
         if not self._by_ring:
             key.minor_preamble = heat.share(preamble) < 1.0 / max(1, backends)
             return key
-        if heat.is_hot(preamble, backends):
-            return key
+        if preamble == key.ring_hash or heat.is_hot(preamble, backends):
+            return key  # (the ring key is the preamble already: nothing to place it by instead)
         return dataclasses.replace(key, ring_hash=preamble, ring_bytes=key.preamble_bytes)
 
     def pick(
