@@ -51,6 +51,14 @@ def fits(backend: str, load: LoadTracker, candidates: Candidates, config: Balanc
     )
 
 
+def own(picker: Picker, key: RoutingKey, backend: str, in_flight: bool = True) -> None:
+    """The backend took `key` (the index knows it); with `in_flight`, a request there still holds it."""
+    picker.chosen(key, backend)
+    picker.placed(key, backend)
+    if not in_flight:
+        picker.ended(key, backend)
+
+
 @settings(max_examples=300)
 @given(
     st.lists(st.integers(0, 12), min_size=8, max_size=8),
@@ -262,10 +270,7 @@ def test_an_owner_takes_its_prefix_past_the_relative_bound_while_a_request_there
     picker = Picker(config)
     key = bare_key(7, blocks=(1, 2, 3))
     owner = list(RING.walk(7))[-1]
-    picker.chosen(key, owner)
-    picker.placed(key, owner)
-    if not in_flight_there:
-        picker.ended(key, owner)
+    own(picker, key, owner, in_flight_there)
     decision = picker.pick(key, RING, ALL, tracker_with({owner: owner_load}))
     assert decision is not None
     if follows:
@@ -299,10 +304,7 @@ def test_a_full_owner_holding_the_prefix_is_waited_for_while_no_other_is_clearly
     picker = Picker(BalanceConfig(max_inflight=8))
     key = bare_key(7, blocks=(1, 2, 3))
     owner = list(ring.walk(7))[-1]
-    picker.chosen(key, owner)
-    picker.placed(key, owner)
-    if not in_flight_there:
-        picker.ended(key, owner)
+    own(picker, key, owner, in_flight_there)
     load = tracker_with({b: 8 if b == owner else others_load for b in ids})
     decision = picker.pick(bare_key(7, blocks=(1, 2, 3, 4)), ring, candidates, load, hold=hold)
     assert decision is not None
@@ -382,9 +384,7 @@ def test_a_conversation_whose_own_turns_aged_out_stays_with_its_minor_preamble(
     if head_elsewhere:
         placements.append((family_turn(3, 1), other))  # the roomier backend holds the head too
     for key, backend in placements:
-        picker.chosen(key, backend)
-        picker.placed(key, backend)
-        picker.ended(key, backend)
+        own(picker, key, backend, in_flight=False)
     head = sum(1 for end in later.ends if end <= len(FAMILY))  # blocks of the system prompt alone
     picker.forget_placed(first, taker, head)  # the chat's own blocks aged out of the taker's cache
     assert not picker.covers(later, head), "the head alone is under the follow threshold"

@@ -50,6 +50,12 @@ def spill_level(max_inflight: int, load_factor: float) -> float:
     return max_inflight / load_factor
 
 
+def spill_ok(load: float, level: float) -> bool:
+    """May a backend carrying `load` take a request whose owner is full (at or under spill_level's
+    `level` once it is placed)?"""
+    return load + 1 <= level
+
+
 def least_bound(max_inflight: int, floor: int = 0) -> int:
     """The least load_bound can be over a fleet of one backend or more, whatever its load: a backend
     that stays at or under it fits without the fleet's total being looked at."""

@@ -16,7 +16,14 @@ from prefix_router.routing.config import BalanceConfig, FirstPlacement, Policy
 from prefix_router.routing.decision import Branch, Candidates, Decision
 from prefix_router.routing.footprint import FootprintLedgers
 from prefix_router.routing.keys import RoutingKey, block_sizes
-from prefix_router.routing.load import LoadTracker, follow_limit, least_bound, load_bound, spill_level
+from prefix_router.routing.load import (
+    LoadTracker,
+    follow_limit,
+    least_bound,
+    load_bound,
+    spill_level,
+    spill_ok,
+)
 from prefix_router.routing.policies import Policy as RoutingPolicy
 from prefix_router.routing.policies.baseline import LeastLoadedPolicy, RandomPolicy, RoundRobinPolicy
 from prefix_router.routing.policies.prefix import ROOM_CHOICES, PrefixPolicy, covers
@@ -110,7 +117,7 @@ class Picker:
     def may_spill_to(self, backend_id: str, load: LoadTracker) -> bool:
         """Is the backend clearly less busy than a full owner (routing.load.spill_level): may a
         request waiting for its owner's capacity go there instead?"""
-        return load.load(backend_id) + 1 <= self._spill_level
+        return spill_ok(load.load(backend_id), self._spill_level)
 
     def may_follow(self, backend_id: str, usable: Candidates, load: LoadTracker) -> bool:
         """May `backend_id`, an owner of the request's prefix found elsewhere (the shared store), take

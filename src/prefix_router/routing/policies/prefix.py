@@ -36,7 +36,14 @@ from prefix_router.routing.config import BalanceConfig, FirstPlacement
 from prefix_router.routing.decision import Branch, Candidates, Decision
 from prefix_router.routing.footprint import FootprintLedgers
 from prefix_router.routing.keys import RoutingKey
-from prefix_router.routing.load import LoadTracker, follow_limit, least_bound, load_bound, spill_level
+from prefix_router.routing.load import (
+    LoadTracker,
+    follow_limit,
+    least_bound,
+    load_bound,
+    spill_level,
+    spill_ok,
+)
 from prefix_router.routing.policies.baseline import least_loaded
 from prefix_router.routing.prefill import Holders, PendingPrefills
 from prefix_router.routing.prefix_index import PrefixIndex
@@ -288,7 +295,7 @@ class PrefixPolicy:
         """Has a backend other than the full owner room (under max_inflight), and is none of them
         clearly less busy (at or under the spill level, the request placed)?"""
         least = min((load_of(b) for b in backends if b != owner), default=math.inf)
-        return self._spill_level < least + 1 <= self._config.max_inflight
+        return least + 1 <= self._config.max_inflight and not spill_ok(least, self._spill_level)
 
     def _holds(self, backend: str, block: int) -> bool:
         """Does a request in flight on the backend hold this block (without ledgers: assume so)?"""
