@@ -65,6 +65,8 @@ def router_settings(backends: Sequence[FakeBackend] | Sequence[str], **sections:
     # Tests read which backend answered from the header, which is off by default.
     overrides["server"] = {"backend_header": True}
     overrides["models"] = {"probe": False}
+    # Nor for /tokenize: a fake backend counts the requests it gets.
+    overrides["routing"] = {"bytes_per_token": 4.0}
     for name, values in sections.items():
         overrides[name] = {**overrides.get(name, {}), **values}
     return load_settings(None, overrides, environ=False)

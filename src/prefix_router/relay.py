@@ -29,10 +29,11 @@ from prefix_router.errors import (
     UpstreamError,
 )
 from prefix_router.fleet.backends import BackendSet
+from prefix_router.fleet.bytes_per_token import CHAT_PATH, COMPLETIONS_PATH, BytesPerTokenProbe
 from prefix_router.frontend.exchange import Exchange
 from prefix_router.ops.metrics import RouterMetrics
 from prefix_router.placement import Placement, Placer
-from prefix_router.routing.keys import RoutingKey, extract_key
+from prefix_router.routing.keys import KeySource, RoutingKey, extract_key
 from prefix_router.routing.response_ids import (
     RESPONSES_PATH,
     BackendTags,
@@ -48,6 +49,7 @@ from prefix_router.upstream.client import Upstream, UpstreamResponse, request_he
 
 BACKEND_HEADER = b"x-prefix-router-backend"
 _REFUSED_METHODS = frozenset({"CONNECT", "TRACE"})
+_TOKENIZABLE_PATHS = frozenset({CHAT_PATH, COMPLETIONS_PATH})
 # In a body only when it may name a stored response (a longer needle scans faster: 8-11 µs at 32 KB
 # against 16-25 µs for the id's mark, benchmarks/responses_rewrite.py).
 _PREVIOUS_FIELD = b'"previous_response_id"'
@@ -61,8 +63,13 @@ class Proxy:
         placer: Placer,
         upstream: Upstream,
         metrics: RouterMetrics,
+        token_samples: BytesPerTokenProbe | None = None,
     ) -> None:
         self._settings = settings
+        # Prompts for learning each backend's bytes per token: whole (not cut at max_key_bytes) chat or
+        # completions prompts a backend answered, when the probe wants one.
+        self._token_samples = token_samples
+        self._max_key_bytes = settings.routing.max_key_bytes
         self._tags = BackendTags(b.url for b in backends.backends())
         backends.on_change(lambda: self._tags.update(b.url for b in backends.backends()))
         self._key_config = settings.key_config()
@@ -219,6 +226,15 @@ class Proxy:
                 self._backends.record_success(backend, probe=False)
                 if resp.status < 400:
                     placement.answered()
+                    samples = self._token_samples
+                    if (
+                        samples is not None
+                        and key.source is KeySource.OPENAI
+                        and key.size < self._max_key_bytes
+                        and ex.path in _TOKENIZABLE_PATHS
+                        and samples.wants(backend)
+                    ):
+                        samples.offer(backend, ex.path, body, key.size)
                 tag = self._tags.tag_of(backend) if responses else None
                 await self._stream(ex, resp, placement, started, tag)
                 return

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import time
 from collections.abc import Awaitable
 from typing import Any
 
@@ -20,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from prefix_router import errors
 from prefix_router.fleet.backends import BackendSet, BackendSpec, HealthPolicy
+from prefix_router.fleet.bytes_per_token import DEFAULT_BYTES_PER_TOKEN, BytesPerTokenProbe
 from prefix_router.fleet.discovery import build_discovery
 from prefix_router.fleet.health import HealthProber
 from prefix_router.fleet.kv_capacity import KvCapacityProbe
@@ -103,7 +105,22 @@ class RouterApp:
             models=self.models,
             shared=self.shared,
         )
-        self.proxy = Proxy(settings, self.backends, self.placer, self.upstream, self.metrics)
+        # Each backend's bytes per token, learnt from its /tokenize unless configured (the ledgers'
+        # capacities are in key bytes; fleet/bytes_per_token.py).
+        self.token_ratios: BytesPerTokenProbe | None = None
+        if self.picker.ledgers is not None and settings.routing.bytes_per_token is None:
+            self.token_ratios = BytesPerTokenProbe(
+                self.upstream,
+                self.backends.live_urls,
+                self._bytes_per_token_changed,
+                interval_s=settings.health.interval_s,
+                timeout_s=settings.health.timeout_s,
+                clock=time.monotonic,
+            )
+        self._capacity: KvCapacityProbe | None = None
+        self.proxy = Proxy(
+            settings, self.backends, self.placer, self.upstream, self.metrics, self.token_ratios
+        )
         self.draining = False
         self.access_log: JsonAccessLog | None = None
         if settings.server.access_log:
@@ -209,12 +226,12 @@ class RouterApp:
             first_reads.append(self._model_prober.probe(self.backends.live_urls()))
         capacity: KvCapacityProbe | None = None
         if self.picker.ledgers is not None:
-            capacity = KvCapacityProbe(
+            capacity = self._capacity = KvCapacityProbe(
                 self.backends,
                 self.upstream,
                 self.picker.set_capacity,
                 metrics_path=self.settings.load_signal.path,
-                bytes_per_token=self.settings.routing.bytes_per_token,
+                bytes_per_token=self.bytes_per_token,
                 configured_tokens=self.settings.routing.kv_capacity_tokens,
                 interval_s=self.settings.health.interval_s,
                 timeout_s=self.settings.health.timeout_s,
@@ -225,6 +242,8 @@ class RouterApp:
             self._spawn(self._model_prober.run(asked=True), "models")
         if capacity is not None:
             self._spawn(capacity.run(), "kv_capacity")
+        if self.token_ratios is not None:
+            self._spawn(self.token_ratios.run(), "bytes_per_token")
         discovery = build_discovery(self.settings.discovery, self._static)
         if discovery is not None:
             self._spawn(discovery.run(self._discovered), "discovery")
@@ -272,6 +291,18 @@ class RouterApp:
         """Discovery's current list: what it declares each backend serves, then the members."""
         self.models.declare({spec.url: spec.models for spec in specs})
         self.backends.replace_members(specs)
+
+    def bytes_per_token(self, url: str) -> float:
+        """The backend's bytes of key material a token: configured, else learnt, else the default."""
+        configured = self.settings.routing.bytes_per_token
+        if configured is not None:
+            return configured
+        learnt = self.token_ratios.ratio(url) if self.token_ratios is not None else None
+        return DEFAULT_BYTES_PER_TOKEN if learnt is None else learnt
+
+    def _bytes_per_token_changed(self, url: str) -> None:
+        if self._capacity is not None:
+            self._capacity.bytes_per_token_changed(url)
 
     def _membership_changed(self) -> None:
         now = {b.url for b in self.backends.backends()}

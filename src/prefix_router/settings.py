@@ -317,10 +317,12 @@ class RoutingSettings(_Section):
         gt=0,
         description="Each backend's KV capacity in tokens; null: read from vLLM's vllm:cache_config_info.",
     )
-    bytes_per_token: float = Field(
-        4.0,
+    bytes_per_token: float | None = Field(
+        None,
         gt=0,
-        description="Key bytes a cached token stands for (~4 for English), to compare text with KV capacity.",
+        description="Key bytes a cached token stands for, to compare text with KV capacity; null: learnt "
+        "per backend from prompts it answered, sent now and then to vLLM's /tokenize (4, about English's, "
+        "until one is learnt, and for engines without /tokenize).",
     )
     shared_state_url: str = Field(
         "",

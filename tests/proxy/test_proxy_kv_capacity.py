@@ -4,11 +4,14 @@ and owner ageing use it."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
+import orjson
 import pytest
 from aiohttp import web
 
 from prefix_router.fleet.kv_capacity import parse_kv_capacity_tokens
+from prefix_router.routing.keys import extract_key
 
 from routerkit import eventually, free_socket, router_settings
 
@@ -43,26 +46,43 @@ def test_capacity_is_read_from_vllms_info_metric(text: bytes, tokens: int | None
     assert parse_kv_capacity_tokens(text) == tokens
 
 
-def _vllm_like(num_gpu_blocks: int | None) -> web.Application:
+# What each fake's /tokenize answers: a count, or nothing (an engine without /tokenize).
+TOKEN_COUNTS = (50, 200, None)
+
+
+def _vllm_like(
+    num_gpu_blocks: int | None, token_count: int | None, asked: list[dict[str, Any]]
+) -> web.Application:
     async def metrics(_: web.Request) -> web.Response:
         body = b"" if num_gpu_blocks is None else VLLM_INFO.replace(b"2048", str(num_gpu_blocks).encode())
         return web.Response(body=body, content_type="text/plain")
+
+    async def tokenize(request: web.Request) -> web.Response:
+        asked.append(await request.json())
+        return web.json_response({"count": token_count, "max_model_len": 4096, "tokens": []})
 
     async def ok(_: web.Request) -> web.Response:
         return web.json_response({"ok": True})
 
     app = web.Application()
     app.router.add_get("/metrics", metrics)
+    if token_count is not None:
+        app.router.add_post("/tokenize", tokenize)
     app.router.add_route("*", "/{tail:.*}", ok)
     return app
 
 
 @pytest.fixture
-async def vllm_like() -> AsyncIterator[list[str]]:
+async def tokenize_asks() -> list[list[dict[str, Any]]]:
+    return [[], [], []]
+
+
+@pytest.fixture
+async def vllm_like(tokenize_asks: list[list[dict[str, Any]]]) -> AsyncIterator[list[str]]:
     runners: list[web.AppRunner] = []
     urls: list[str] = []
-    for blocks in (100, 300, None):
-        runner = web.AppRunner(_vllm_like(blocks))
+    for blocks, count, asked in zip((100, 300, None), TOKEN_COUNTS, tokenize_asks, strict=True):
+        runner = web.AppRunner(_vllm_like(blocks, count, asked))
         await runner.setup()
         sock = free_socket()
         site = web.SockSite(runner, sock)
@@ -101,3 +121,66 @@ async def test_capacity_is_known_when_the_router_opens(vllm_like, router) -> Non
     assert ledgers is not None
     a, b, _ = vllm_like
     assert (ledgers.capacity(a), ledgers.capacity(b)) == (100 * 16 * 4.0, 300 * 16 * 4.0)
+
+
+def _chat(i: int) -> dict[str, Any]:
+    # Every prompt the same length, so the learnt ratio is one key size over the backend's count; each
+    # its own system prompt, so the ring spreads them.
+    return {
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": f"Be brief {i:04d}."},
+            {"role": "user", "content": "Why?"},
+        ],
+        "max_tokens": 4,
+        "stream": False,
+    }
+
+
+async def _until_each_answered(r, client, urls: list[str]) -> None:
+    answered: set[str] = set()
+    for i in range(400):
+        resp = await client.post(f"{r.url}/v1/chat/completions", json=_chat(i))
+        assert resp.status_code == 200
+        answered.add(resp.headers["x-prefix-router-backend"])
+        if answered == set(urls):
+            return
+    raise AssertionError(f"only {answered} answered")
+
+
+async def test_each_backends_bytes_per_token_is_learnt_from_its_tokenize(
+    vllm_like, tokenize_asks, router, client
+) -> None:
+    # First placements by the ring, so that every backend answers some (by cache room, the roomiest
+    # would take them all).
+    settings = router_settings(
+        vllm_like, routing={"first_placement": "ring", "bytes_per_token": None}, health={"interval_s": 0.05}
+    )
+    r = await router(settings)
+    ledgers = r.app.picker.ledgers
+    assert ledgers is not None
+    a, b, c = vllm_like
+    await eventually(lambda: ledgers.capacity(a) == 100 * 16 * 4.0)
+    await _until_each_answered(r, client, vllm_like)
+    size = extract_key("/v1/chat/completions", orjson.dumps(_chat(0)), None, settings.key_config()).size
+    await eventually(
+        lambda: ledgers.capacity(a) == 100 * 16 * size / 50 and ledgers.capacity(b) == 300 * 16 * size / 200
+    )
+    # An engine without /tokenize keeps the default.
+    assert r.app.bytes_per_token(c) == 4.0
+    # The engine is asked for the prompt as it would render it, nothing about generating.
+    asked = tokenize_asks[0][0]
+    assert set(asked) == {"model", "messages"}
+    assert asked["model"] == "m" and asked["messages"][1] == {"role": "user", "content": "Why?"}
+
+
+async def test_a_configured_bytes_per_token_is_not_learnt(vllm_like, tokenize_asks, router, client) -> None:
+    settings = router_settings(
+        vllm_like, routing={"bytes_per_token": 3.0, "first_placement": "ring"}, health={"interval_s": 0.05}
+    )
+    r = await router(settings)
+    ledgers = r.app.picker.ledgers
+    assert ledgers is not None
+    await _until_each_answered(r, client, vllm_like)
+    assert ledgers.capacity(vllm_like[0]) == 100 * 16 * 3.0
+    assert tokenize_asks == [[], [], []]

@@ -13,10 +13,12 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from vllmkit import BLOCK_SIZE, BUILD_HINT, SERVED_MODEL, VllmServer, model_dir, words
 
+from prefix_router.routing.keys import extract_key
 from prefix_router.sim import SimConfig, SimFleet
 
 from routerkit import router_settings
@@ -277,3 +279,34 @@ async def test_router_keeps_a_repeated_prefix_on_one_backend(
     assert hits >= (requests - 1) * (expected_hits(prefix_tokens) - BLOCK_SIZE), (hits, prefix_tokens)
     other_queries, other_hits = await counters_after(http, other, before[other], 0)
     assert (other_queries, other_hits) == (0, 0), "the other backend saw none of it"
+
+
+async def test_router_learns_each_engines_bytes_per_token(
+    http: httpx.AsyncClient, vllm_servers: list[VllmServer], router: Callable[..., Any]
+) -> None:
+    # The tokenize request renders the chat as the generation does: the learnt ratio is the key's bytes
+    # over the prompt tokens the engine reported for that very request.
+    urls = [s.url for s in vllm_servers]
+    settings = router_settings(urls, routing={"bytes_per_token": None})
+    r = await router(settings)
+    body = {
+        "model": SERVED_MODEL,
+        "messages": [
+            {"role": "system", "content": words("ratio-system", 400)},
+            {"role": "user", "content": words("ratio-question", 120)},
+        ],
+        "max_tokens": 1,
+    }
+    resp = await http.post(r.url + "/v1/chat/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    backend = resp.headers[BACKEND_HEADER]
+    prompt_tokens = int(resp.json()["usage"]["prompt_tokens"])
+    size = extract_key("/v1/chat/completions", orjson.dumps(body), None, settings.key_config()).size
+    ratios = r.app.token_ratios
+    assert ratios is not None
+    for _ in range(200):
+        if ratios.ratio(backend) is not None:
+            break
+        await asyncio.sleep(0.05)
+    assert ratios.ratio(backend) == pytest.approx(size / prompt_tokens)
+    assert r.app.bytes_per_token(backend) == pytest.approx(size / prompt_tokens)

@@ -3,7 +3,7 @@ first placements know how much each cache can hold and the prefix index can age 
 
 vLLM exports the engine's cache configuration as an info gauge whose labels carry `num_gpu_blocks`
 and `block_size`; their product is the capacity in tokens. Key material is counted in bytes, so the
-router converts with `routing.bytes_per_token` (about 4 for English text under common tokenizers).
+router converts with each backend's bytes per token (bytes_per_token.py, or `routing.bytes_per_token`).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class KvCapacityProbe:
         set_capacity: Callable[[str, float | None], None],
         *,
         metrics_path: str,
-        bytes_per_token: float,
+        bytes_per_token: Callable[[str], float],
         configured_tokens: int | None,
         interval_s: float,
         timeout_s: float,
@@ -69,6 +69,7 @@ class KvCapacityProbe:
         self._timeout_s = timeout_s
         self._clock = clock or asyncio.get_running_loop().time
         self._checked: dict[str, float] = {}  # url -> when its capacity was last learnt
+        self._tokens: dict[str, int | None] = {}  # url -> its capacity in tokens, as last learnt
 
     async def run(self) -> None:
         # One interval first, like the health prober's: a new backend is read within an interval.
@@ -81,6 +82,7 @@ class KvCapacityProbe:
         live = self._backends.live_urls()
         for gone in set(self._checked) - set(live):
             del self._checked[gone]
+            self._tokens.pop(gone, None)
         due = [u for u in live if now - self._checked.get(u, -KNOWN_INTERVAL_S) >= KNOWN_INTERVAL_S]
         await asyncio.gather(*(self._probe(url, now) for url in due))
 
@@ -92,4 +94,11 @@ class KvCapacityProbe:
                 return  # asked again at the next round
             tokens = parse_kv_capacity_tokens(answer[1])
         self._checked[url] = now
-        self._set_capacity(url, None if tokens is None else tokens * self._bytes_per_token)
+        self._tokens[url] = tokens
+        self._set_capacity(url, None if tokens is None else tokens * self._bytes_per_token(url))
+
+    def bytes_per_token_changed(self, url: str) -> None:
+        """The backend's capacity in bytes again, from the tokens last learnt and its new ratio."""
+        tokens = self._tokens.get(url)
+        if tokens is not None:
+            self._set_capacity(url, tokens * self._bytes_per_token(url))

@@ -120,6 +120,17 @@ def parse_generation_request(endpoint: Endpoint, body: bytes, config: SimConfig)
     )
 
 
+def parse_tokenize_request(body: bytes, config: SimConfig) -> Prompt:
+    """vLLM's /tokenize body, chat (`messages`) or completion (`prompt`); raises RequestRejected."""
+    fields = parse_body(body, config)
+    if "messages" in fields:
+        return _parse_chat_prompt(fields)
+    prompt = fields.get("prompt")
+    if not isinstance(prompt, str):
+        raise RequestRejected("`prompt` must be a string, or `messages` a list", param="prompt")
+    return tokenize_text(prompt)
+
+
 def _parse_chat_prompt(fields: dict[str, Any]) -> Prompt:
     raw_messages = fields.get("messages")
     if not isinstance(raw_messages, list) or not raw_messages:

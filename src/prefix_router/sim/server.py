@@ -1,6 +1,6 @@
 """The HTTP face of one simulated vLLM server (aiohttp.web): OpenAI routes, health, metrics, admin.
 
-Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, GET and DELETE
+Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, POST /tokenize, GET and DELETE
 /v1/responses/{id}, POST /v1/responses/{id}/cancel, GET /v1/models, GET /health, GET /metrics,
 GET /sim/stats, POST /sim/reset. Run it with `handler_cancellation=True` (as
 `SimBackend` does) so a client disconnect cancels the handler and frees the request's slot.
@@ -25,6 +25,7 @@ from prefix_router.sim.protocol import (
     encode_error,
     filler_token,
     parse_generation_request,
+    parse_tokenize_request,
 )
 from prefix_router.sim.responses import (
     ResponseBuilder,
@@ -63,6 +64,7 @@ class SimServer:
         app.router.add_delete("/v1/responses/{response_id}", self.handle_delete_response)
         app.router.add_post("/v1/responses/{response_id}/cancel", self.handle_cancel_response)
         app.router.add_get("/v1/models", self.handle_models)
+        app.router.add_post("/tokenize", self.handle_tokenize)
         app.router.add_get("/health", self.handle_health)
         app.router.add_get("/metrics", self.handle_metrics)
         app.router.add_get("/sim/stats", self.handle_stats)
@@ -105,6 +107,19 @@ class SimServer:
         for name in self.config.adapters:
             data.append({"id": name, **base, "root": f"/adapters/{name}", "parent": model})
         return _json_response({"object": "list", "data": data})
+
+    async def handle_tokenize(self, request: web.Request) -> web.Response:
+        # vLLM's /tokenize: a chat body (its template applied, as for generation) or a prompt.
+        try:
+            prompt = parse_tokenize_request(await request.read(), self.config)
+        except RequestRejected as exc:
+            return _rejected(exc)
+        tokens = [int.from_bytes(prompt.token(i), "little") for i in range(prompt.num_tokens)]
+        # The longest prompt the sim admits is its whole cache.
+        max_model_len = self.config.capacity_blocks * self.config.block_size
+        return _json_response(
+            {"count": prompt.num_tokens, "max_model_len": max_model_len, "tokens": tokens, "token_strs": None}
+        )
 
     async def handle_health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)

@@ -85,6 +85,7 @@ def response_headers(raw: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes, by
 
 
 _BODY_METHODS = frozenset({b"POST", b"PUT", b"PATCH"})
+_JSON_HEADER = b"content-type: application/json\r\n"
 _IDEMPOTENT = frozenset({b"GET", b"HEAD", b"PUT", b"DELETE", b"OPTIONS"})  # RFC 9110 §9.2.2
 
 
@@ -248,24 +249,30 @@ class Upstream:
             self._budget.pools.append(pool)
         return pool
 
-    async def fetch(self, url: str, timeout_s: float) -> tuple[int, bytes] | None:
-        """GET a side URL of a backend (health, metrics): (status, body), or None if it failed.
+    async def fetch(
+        self, url: str, timeout_s: float, json_body: bytes | None = None
+    ) -> tuple[int, bytes] | None:
+        """GET a side URL of a backend (health, metrics), or POST it `json_body`: (status, body), or
+        None if it failed.
 
         `timeout_s` is counted in time the loop was awake to see an answer (wait_for_awake): a probe
         the backend answered while the router's loop was stalled is answered, not timed out."""
         parts = urlsplit(url)
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         getting = asyncio.ensure_future(
-            self._get_whole(f"{parts.scheme}://{parts.netloc}", target.encode("latin-1"))
+            self._fetch_whole(f"{parts.scheme}://{parts.netloc}", target.encode("latin-1"), json_body)
         )
         try:
             return await wait_for_awake(getting, timeout_s)
         except (TimeoutError, UpstreamError):
             return None
 
-    async def _get_whole(self, origin: str, target: bytes) -> tuple[int, bytes]:
+    async def _fetch_whole(self, origin: str, target: bytes, json_body: bytes | None) -> tuple[int, bytes]:
         # No first-byte timer of its own (the default is minutes): the caller's deadline is the one.
-        resp = await self.send("GET", origin, target, b"", b"", side=True)
+        if json_body is None:
+            resp = await self.send("GET", origin, target, b"", b"", side=True)
+        else:
+            resp = await self.send("POST", origin, target, _JSON_HEADER, json_body, side=True)
         try:
             body = await resp.read()
         except BaseException:
