@@ -184,3 +184,24 @@ async def test_a_configured_bytes_per_token_is_not_learnt(vllm_like, tokenize_as
     await _until_each_answered(r, client, vllm_like)
     assert ledgers.capacity(vllm_like[0]) == 100 * 16 * 3.0
     assert tokenize_asks == [[], [], []]
+
+
+async def test_a_configured_capacity_is_converted_with_the_learnt_ratio(
+    vllm_like, tokenize_asks, router, client
+) -> None:
+    settings = router_settings(
+        vllm_like,
+        routing={"kv_capacity_tokens": 5000, "first_placement": "ring", "bytes_per_token": None},
+        health={"interval_s": 0.05},
+    )
+    r = await router(settings)
+    ledgers = r.app.picker.ledgers
+    assert ledgers is not None
+    a, b, c = vllm_like
+    await eventually(lambda: ledgers.capacity(c) == 5000 * 4.0)
+    await _until_each_answered(r, client, vllm_like)
+    size = extract_key("/v1/chat/completions", orjson.dumps(_chat(0)), None, settings.key_config()).size
+    await eventually(
+        lambda: ledgers.capacity(a) == 5000 * size / 50 and ledgers.capacity(b) == 5000 * size / 200
+    )
+    assert ledgers.capacity(c) == 5000 * 4.0
