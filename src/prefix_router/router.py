@@ -279,9 +279,17 @@ class RouterApp:
 
     def snapshot(self) -> FleetSnapshot:
         load = self.backends.load
+        ledgers = self.picker.ledgers
         return FleetSnapshot(
             [
-                BackendStatus(b.url, load.inflight(b.url), load.load(b.url), b.state.value)
+                BackendStatus(
+                    b.url,
+                    load.inflight(b.url),
+                    load.load(b.url),
+                    b.state.value,
+                    ledgers.capacity(b.url) if ledgers is not None else None,
+                    self.bytes_per_token(b.url),
+                )
                 for b in self.backends.backends()
             ],
             self.backends.all_ejected_override,

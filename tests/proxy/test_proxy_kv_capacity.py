@@ -13,7 +13,8 @@ from aiohttp import web
 from prefix_router.fleet.kv_capacity import parse_kv_capacity_tokens
 from prefix_router.routing.keys import extract_key
 
-from routerkit import eventually, free_socket, router_settings
+from loopback import eventually_equal
+from routerkit import eventually, free_socket, router_settings, start_side_app
 
 # The line as vLLM 0.x prints it (one engine), and what a data-parallel server adds.
 VLLM_INFO = (
@@ -205,3 +206,31 @@ async def test_a_configured_capacity_is_converted_with_the_learnt_ratio(
         lambda: ledgers.capacity(a) == 5000 * size / 50 and ledgers.capacity(b) == 5000 * size / 200
     )
     assert ledgers.capacity(c) == 5000 * 4.0
+
+
+async def test_the_admin_listing_shows_what_first_placements_weigh(
+    vllm_like, tokenize_asks, router, client
+) -> None:
+    settings = router_settings(
+        vllm_like, routing={"first_placement": "ring", "bytes_per_token": None}, health={"interval_s": 0.05}
+    )
+    r = await router(settings)
+    a, b, c = vllm_like
+    await _until_each_answered(r, client, vllm_like)
+    size = extract_key("/v1/chat/completions", orjson.dumps(_chat(0)), None, settings.key_config()).size
+    server, task, port = await start_side_app(r.app.admin_app, r.app.settings)
+    try:
+
+        async def listed() -> dict[str, Any]:
+            answer = (await client.get(f"http://127.0.0.1:{port}/admin/backends")).json()
+            return {s["url"]: (s["kv_capacity_bytes"], s["bytes_per_token"]) for s in answer["backends"]}
+
+        expected = {
+            a: (100 * 16 * size / 50, size / 50),
+            b: (300 * 16 * size / 200, size / 200),
+            c: ((100 * 16 * size / 50 + 300 * 16 * size / 200) / 2, 4.0),  # says nothing: the others' mean
+        }
+        await eventually_equal(listed, expected)
+    finally:
+        server.should_exit = True
+        await task

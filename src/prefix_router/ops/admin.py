@@ -59,7 +59,8 @@ def build_admin_app(
     models: ModelDirectory,
     snapshot: Callable[[], FleetSnapshot],
 ) -> FastAPI:
-    """GET /admin/backends (state, load, models of each) and POST /admin/backends/drain."""
+    """GET /admin/backends (state, load, KV capacity, bytes per token, models of each) and POST
+    /admin/backends/drain."""
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
 
     def authorised(request: Request) -> bool:
@@ -81,6 +82,8 @@ def build_admin_app(
                         "state": s.state,
                         "inflight": s.inflight,
                         "load": s.load,
+                        "kv_capacity_bytes": s.kv_capacity_bytes,
+                        "bytes_per_token": s.bytes_per_token,
                         "models": sorted(models.served_by(s.url) or ()),
                     }
                     for s in snap.backends

@@ -89,6 +89,10 @@ class BackendStatus:
     inflight: int
     load: float
     state: str  # a HealthState value: healthy | ejected | draining
+    # What first placements weigh: the KV capacity in bytes of key material (None: the policy keeps no
+    # ledgers), and the bytes a token stands for on that backend (configured, learnt or the default).
+    kv_capacity_bytes: float | None = None
+    bytes_per_token: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
