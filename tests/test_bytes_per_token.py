@@ -46,6 +46,29 @@ COMPLETIONS = "/v1/completions"
         ),
         pytest.param(CHAT, {"model": "m", "messages": []}, None, id="chat-without-messages"),
         pytest.param(
+            CHAT,
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "Q"}]}]},
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "Q"}]}]},
+            id="chat-text-parts",
+        ),
+        pytest.param(
+            CHAT,
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "Q"},
+                            {"type": "image_url", "image_url": {"url": "x"}},
+                        ],
+                    }
+                ]
+            },
+            None,
+            id="chat-with-an-image",
+        ),
+        pytest.param(CHAT, {"messages": ["not a message"]}, None, id="chat-message-not-an-object"),
+        pytest.param(
             COMPLETIONS,
             {"model": "m", "prompt": "abc", "max_tokens": 3},
             {"model": "m", "prompt": "abc"},

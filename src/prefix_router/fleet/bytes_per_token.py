@@ -38,7 +38,7 @@ _CHAT_FIELDS = ("model", "messages", "tools", "add_generation_prompt", "continue
 
 def tokenize_body(path: str, body: bytes) -> bytes | None:
     """The `/tokenize` request for a chat or completions body, with what shapes its prompt; None when
-    the body is not one the engine could tokenize (no messages, a prompt of token ids, not JSON)."""
+    the body is not one to learn from (no messages, media in them, a prompt of token ids, not JSON)."""
     try:
         doc = orjson.loads(body)
     except orjson.JSONDecodeError:
@@ -47,7 +47,8 @@ def tokenize_body(path: str, body: bytes) -> bytes | None:
         return None
     out: dict[str, Any]
     if path == CHAT_PATH:
-        if not isinstance(doc.get("messages"), list) or not doc["messages"]:
+        messages = doc.get("messages")
+        if not isinstance(messages, list) or not messages or not all(map(_text_only, messages)):
             return None
         out = {name: doc[name] for name in _CHAT_FIELDS if doc.get(name) is not None}
     elif path == COMPLETIONS_PATH:
@@ -62,6 +63,17 @@ def tokenize_body(path: str, body: bytes) -> bytes | None:
     else:
         return None
     return orjson.dumps(out)
+
+
+def _text_only(message: object) -> bool:
+    """Is the message text alone? An image's or audio's tokens stand for no key bytes, and the engine
+    would fetch and process the media again to count them."""
+    if not isinstance(message, dict):
+        return False
+    content = message.get("content")
+    if not isinstance(content, list):
+        return True
+    return all(isinstance(part, dict) and part.get("type") == "text" for part in content)
 
 
 def parse_token_count(body: bytes) -> int | None:
