@@ -33,14 +33,18 @@ COMPLETIONS = "/v1/completions"
                 "tools": [{"type": "function"}],
                 "add_generation_prompt": False,
                 "continue_final_message": True,
+                "chat_template": "T",
                 "chat_template_kwargs": {"x": 1},
+                "add_special_tokens": True,
             },
             {
                 "messages": MESSAGES,
                 "tools": [{"type": "function"}],
                 "add_generation_prompt": False,
                 "continue_final_message": True,
+                "chat_template": "T",
                 "chat_template_kwargs": {"x": 1},
+                "add_special_tokens": True,
             },
             id="chat-keeps-what-the-template-reads",
         ),
@@ -70,8 +74,8 @@ COMPLETIONS = "/v1/completions"
         pytest.param(CHAT, {"messages": ["not a message"]}, None, id="chat-message-not-an-object"),
         pytest.param(
             COMPLETIONS,
-            {"model": "m", "prompt": "abc", "max_tokens": 3},
-            {"model": "m", "prompt": "abc"},
+            {"model": "m", "prompt": "abc", "max_tokens": 3, "add_special_tokens": False},
+            {"model": "m", "prompt": "abc", "add_special_tokens": False},
             id="completion",
         ),
         pytest.param(COMPLETIONS, {"prompt": ["abc"]}, {"prompt": "abc"}, id="completion-batch-of-one"),
@@ -85,6 +89,14 @@ def test_the_tokenize_request_carries_the_prompt_as_the_engine_renders_it(
 ) -> None:
     out = tokenize_body(path, orjson.dumps(body))
     assert (None if out is None else orjson.loads(out)) == sent
+
+
+def test_a_body_nested_deeper_than_json_is_written_is_not_sent() -> None:
+    # orjson reads 1,024 levels and writes 254: such a body is valid for vLLM, and skipped here.
+    body = b'{"messages":[{"role":"user","content":"Q"}],"chat_template_kwargs":{"x":' + b"[" * 300
+    body += b"1" + b"]" * 300 + b"}}"
+    assert orjson.loads(body)["messages"]
+    assert tokenize_body(CHAT, body) is None
 
 
 @pytest.mark.parametrize("body", [b"not json", b"[1]", b'"s"'])

@@ -3,6 +3,9 @@ and owner ageing use it."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -10,8 +13,11 @@ import orjson
 import pytest
 from aiohttp import web
 
+from prefix_router.fleet.bytes_per_token import BytesPerTokenProbe
 from prefix_router.fleet.kv_capacity import parse_kv_capacity_tokens
 from prefix_router.routing.keys import extract_key
+from prefix_router.upstream.client import Upstream
+from prefix_router.upstream.config import UpstreamConfig
 
 from loopback import eventually_equal
 from routerkit import eventually, free_socket, router_settings, start_side_app
@@ -183,6 +189,7 @@ async def test_a_configured_bytes_per_token_is_not_learnt(vllm_like, tokenize_as
     ledgers = r.app.picker.ledgers
     assert ledgers is not None
     await _until_each_answered(r, client, vllm_like)
+    assert r.app.token_ratios is None, "a configured value is never learnt"
     assert ledgers.capacity(vllm_like[0]) == 100 * 16 * 3.0
     assert tokenize_asks == [[], [], []]
 
@@ -234,3 +241,106 @@ async def test_the_admin_listing_shows_what_first_placements_weigh(
     finally:
         server.should_exit = True
         await task
+
+
+# -- the probe alone, against one loopback /tokenize ------------------------------------------------------
+
+
+@pytest.fixture
+async def scripted_tokenize() -> AsyncIterator[tuple[str, list[int]]]:
+    """A /tokenize answering, call after call, the statuses in `script` (200: a count of 10 tokens)."""
+    script: list[int] = []
+
+    async def tokenize(_: web.Request) -> web.Response:
+        status = script.pop(0) if script else 200
+        return web.json_response({"count": 10} if status == 200 else {"error": "x"}, status=status)
+
+    app = web.Application()
+    app.router.add_post("/tokenize", tokenize)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    sock = free_socket()
+    await web.SockSite(runner, sock).start()
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}", script
+    await runner.cleanup()
+
+
+async def _probe(url: str, changed: list[str]) -> tuple[BytesPerTokenProbe, Upstream]:
+    upstream = Upstream(UpstreamConfig())
+    await upstream.start()
+    probe = BytesPerTokenProbe(
+        upstream, lambda: [url], changed.append, interval_s=0.0, timeout_s=5.0, clock=time.monotonic
+    )
+    return probe, upstream
+
+
+async def test_a_failed_answer_is_asked_again_at_the_next_prompt(scripted_tokenize) -> None:
+    url, script = scripted_tokenize
+    script.append(500)
+    changed: list[str] = []
+    probe, upstream = await _probe(url, changed)
+    body = orjson.dumps(_chat(0))
+    try:
+        probe.offer(url, "/v1/chat/completions", body, 40)
+        await probe.probe_pending()
+        assert probe.ratio(url) is None and probe.wants(url), "busy is not 'no /tokenize'"
+        probe.offer(url, "/v1/chat/completions", body, 40)
+        await probe.probe_pending()
+        assert probe.ratio(url) == 4.0 and changed == [url]
+    finally:
+        await upstream.close()
+
+
+async def test_an_engine_without_tokenize_is_asked_again_a_minute_later(scripted_tokenize) -> None:
+    url, script = scripted_tokenize
+    script.append(404)
+    probe, upstream = await _probe(url, [])
+    try:
+        probe.offer(url, "/v1/chat/completions", orjson.dumps(_chat(0)), 40)
+        await probe.probe_pending()
+        assert probe.ratio(url) is None and not probe.wants(url)
+    finally:
+        await upstream.close()
+
+
+async def test_a_prompt_it_cannot_write_back_does_not_stop_the_learning(scripted_tokenize) -> None:
+    # orjson reads JSON nested deeper than it writes: such a body is skipped, and the next one is learnt.
+    url, _ = scripted_tokenize
+    changed: list[str] = []
+    probe, upstream = await _probe(url, changed)
+    chat = orjson.dumps(_chat(0))
+    body = chat[:-1] + b',"chat_template_kwargs":{"deep":' + b"[" * 300 + b"1" + b"]" * 300 + b"}}"
+    assert orjson.loads(body)["messages"]
+    task = asyncio.get_running_loop().create_task(probe.run())
+    try:
+        probe.offer(url, "/v1/chat/completions", body, 40)
+        await asyncio.sleep(0.05)
+        probe.offer(url, "/v1/chat/completions", orjson.dumps(_chat(0)), 40)
+        await eventually(lambda: probe.ratio(url) == 4.0)
+        assert not task.done()
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await upstream.close()
+
+
+async def test_an_error_in_one_probe_is_logged_and_the_task_lives_on(scripted_tokenize, caplog) -> None:
+    url, _ = scripted_tokenize
+    upstream = Upstream(UpstreamConfig())  # not started yet: its first fetch raises
+    probe = BytesPerTokenProbe(
+        upstream, lambda: [url], [].append, interval_s=0.0, timeout_s=5.0, clock=time.monotonic
+    )
+    task = asyncio.get_running_loop().create_task(probe.run())
+    try:
+        probe.offer(url, "/v1/chat/completions", orjson.dumps(_chat(0)), 40)
+        await eventually(lambda: "failed" in caplog.text)
+        await upstream.start()
+        probe.offer(url, "/v1/chat/completions", orjson.dumps(_chat(0)), 40)
+        await eventually(lambda: probe.ratio(url) == 4.0)
+        assert not task.done()
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await upstream.close()

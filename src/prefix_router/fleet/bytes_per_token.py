@@ -32,8 +32,12 @@ CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 SAMPLES = 16  # the ratio is the sums' over this many recent prompts
 SETTLED_INTERVAL_S = 60.0  # one sample a backend this often once SAMPLES are in
+# What shapes the rendered prompt, as vLLM's TokenizeChatRequest takes it.
 _CHAT_FIELDS = ("model", "messages", "tools", "add_generation_prompt", "continue_final_message",
-                "chat_template_kwargs")  # fmt: skip
+                "chat_template", "chat_template_kwargs", "add_special_tokens")  # fmt: skip
+_COMPLETION_FIELDS = ("model", "add_special_tokens")
+# Answers that say the engine has no /tokenize for this: asked again a settled interval later.
+_NOT_SERVED = frozenset({404, 405, 501})
 
 
 def tokenize_body(path: str, body: bytes) -> bytes | None:
@@ -57,12 +61,14 @@ def tokenize_body(path: str, body: bytes) -> bytes | None:
             prompt = prompt[0]  # a batch of one
         if not isinstance(prompt, str) or not prompt:
             return None
-        out = {"prompt": prompt}
-        if isinstance(doc.get("model"), str):
-            out["model"] = doc["model"]
+        out = {name: doc[name] for name in _COMPLETION_FIELDS if doc.get(name) is not None}
+        out["prompt"] = prompt
     else:
         return None
-    return orjson.dumps(out)
+    try:
+        return orjson.dumps(out)
+    except TypeError:  # orjson.JSONEncodeError: nested deeper than it writes, though it read it
+        return None
 
 
 def _text_only(message: object) -> bool:
@@ -159,19 +165,28 @@ class BytesPerTokenProbe:
             del self._due[gone]
             self._ratios.pop(gone, None)
         pending, self._pending = self._pending, {}
-        await asyncio.gather(*(self._probe(url, *sample) for url, sample in pending.items() if url in live))
+        await asyncio.gather(*(self._guarded(url, *sample) for url, sample in pending.items() if url in live))
+
+    async def _guarded(self, url: str, path: str, body: bytes, key_bytes: int) -> None:
+        # Nothing one prompt holds may end the learning for every backend.
+        try:
+            await self._probe(url, path, body, key_bytes)
+        except Exception:
+            log.exception("learning the bytes per token of %s from one prompt failed", url)
 
     async def _probe(self, url: str, path: str, body: bytes, key_bytes: int) -> None:
         request = tokenize_body(path, body)
         if request is None:
-            self._due[url] = 0.0  # the next prompt may do
-            return
+            return  # (not a prompt to learn from: the next is wanted an interval later, as after any)
         answer = await self._upstream.fetch(url + TOKENIZE_PATH, self._timeout_s, json_body=request)
+        if url not in self._live_urls():
+            return  # it left meanwhile: its ledger is gone
         tokens = parse_token_count(answer[1]) if answer is not None and answer[0] == 200 else None
         if tokens is None:
-            # Not vLLM, or busy: the default stands, and the next sample is a settled interval away.
-            self._due[url] = self._clock() + SETTLED_INTERVAL_S
-            return
+            if answer is not None and (answer[0] in _NOT_SERVED or answer[0] == 200):
+                # Not vLLM's /tokenize: the default stands, asked again a settled interval later.
+                self._due[url] = self._clock() + SETTLED_INTERVAL_S
+            return  # (busy, or the answer timed out: the next prompt an interval later)
         ratio = self._ratios.setdefault(url, TokenRatio())
         before = ratio.value
         ratio.add(key_bytes, tokens)
