@@ -274,6 +274,19 @@ async def _probe(url: str, changed: list[str]) -> tuple[BytesPerTokenProbe, Upst
     return probe, upstream
 
 
+@contextlib.asynccontextmanager
+async def _running(probe: BytesPerTokenProbe, upstream: Upstream) -> AsyncIterator[asyncio.Task[None]]:
+    """The probe's own task, as the router runs it; cancelled and the upstream closed at the end."""
+    task = asyncio.get_running_loop().create_task(probe.run())
+    try:
+        yield task
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await upstream.close()
+
+
 async def test_a_failed_answer_is_asked_again_at_the_next_prompt(scripted_tokenize) -> None:
     url, script = scripted_tokenize
     script.append(500)
@@ -311,18 +324,12 @@ async def test_a_prompt_it_cannot_write_back_does_not_stop_the_learning(scripted
     chat = orjson.dumps(_chat(0))
     body = chat[:-1] + b',"chat_template_kwargs":{"deep":' + b"[" * 300 + b"1" + b"]" * 300 + b"}}"
     assert orjson.loads(body)["messages"]
-    task = asyncio.get_running_loop().create_task(probe.run())
-    try:
+    async with _running(probe, upstream) as task:
         probe.offer(url, "/v1/chat/completions", body, 40)
         await asyncio.sleep(0.05)
         probe.offer(url, "/v1/chat/completions", orjson.dumps(_chat(0)), 40)
         await eventually(lambda: probe.ratio(url) == 4.0)
         assert not task.done()
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await upstream.close()
 
 
 async def test_an_error_in_one_probe_is_logged_and_the_task_lives_on(scripted_tokenize, caplog) -> None:
@@ -331,16 +338,10 @@ async def test_an_error_in_one_probe_is_logged_and_the_task_lives_on(scripted_to
     probe = BytesPerTokenProbe(
         upstream, lambda: [url], [].append, interval_s=0.0, timeout_s=5.0, clock=time.monotonic
     )
-    task = asyncio.get_running_loop().create_task(probe.run())
-    try:
+    async with _running(probe, upstream) as task:
         probe.offer(url, "/v1/chat/completions", orjson.dumps(_chat(0)), 40)
         await eventually(lambda: "failed" in caplog.text)
         await upstream.start()
         probe.offer(url, "/v1/chat/completions", orjson.dumps(_chat(0)), 40)
         await eventually(lambda: probe.ratio(url) == 4.0)
         assert not task.done()
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await upstream.close()
