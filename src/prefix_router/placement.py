@@ -418,7 +418,12 @@ class Placer:
                 raise NoBackend("no healthy backend is available")
             if decision.wait_for is not None:
                 wait = False  # once: after it, the index knows where the prefix went
-                await self._wait_for_prefill(decision.wait_for)
+                held_on = decision.backend_id
+                self._backends.load.wait_started(held_on)
+                try:
+                    await self._wait_for_prefill(decision.wait_for)
+                finally:
+                    self._backends.load.wait_ended(held_on)
                 continue
             load = self._backends.load
             if load.load(decision.backend_id) < config.max_inflight:

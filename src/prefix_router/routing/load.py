@@ -110,6 +110,7 @@ class LoadTracker:
         "_since",
         "_since_total",
         "_total",
+        "_waiting",
     )
 
     def __init__(self) -> None:
@@ -123,6 +124,22 @@ class LoadTracker:
         self._peers: dict[str, int] = {}  # the other replicas' requests in flight, as the store said
         self._peers_total = 0
         self._peers_known = False
+        # Requests held for a prefill on the backend: bound to go there, not yet in flight.
+        self._waiting: dict[str, int] = {}
+
+    def wait_started(self, backend_id: str) -> None:
+        self._waiting[backend_id] = self._waiting.get(backend_id, 0) + 1
+
+    def wait_ended(self, backend_id: str) -> None:
+        left = self._waiting.get(backend_id, 0) - 1
+        if left > 0:
+            self._waiting[backend_id] = left
+        else:
+            self._waiting.pop(backend_id, None)
+
+    def committed(self, backend_id: str) -> float:
+        """The load, and the requests held for a prefill there (bound to go there next)."""
+        return self.load(backend_id) + self._waiting.get(backend_id, 0)
 
     def acquire(self, backend_id: str) -> Lease:
         self._inflight[backend_id] = self._inflight.get(backend_id, 0) + 1

@@ -22,8 +22,8 @@ Order of preference:
    every backend about as full, a spill starts no sooner and only trades a warm queue for a cold one;
 2. a prefix no backend holds enough of goes, with `first_placement: cache_room`, to the backend of
    the first ROOM_CHOICES of the key's ring walk whose cache keeps things longest (`cache_room`), ties
-   to the earliest of the walk; with `ring`, to the ring walk: its first backend is `affinity`, a later
-   one `overflow`;
+   to the one fewer requests are bound for (`LoadTracker.committed`), then the earliest of the walk;
+   with `ring`, to the ring walk: its first backend is `affinity`, a later one `overflow`;
 3. nothing within the bound: the least loaded candidate (`fallback`).
 """
 
@@ -236,7 +236,7 @@ class PrefixPolicy:
                         # prefill, unless cache room would send it where as much of it is cached. A
                         # head the whole fleet's traffic shares is cached everywhere: such turns
                         # move by cache room, which keeps the fleet balanced.
-                        roomiest = self._roomiest(key.ring_hash, key.size, ring, usable_set, fits)
+                        roomiest = self._roomiest(key.ring_hash, key.size, ring, usable_set, fits, load)
                         if roomiest in (None, taker) or self._index.longest_held(key.blocks, roomiest) < held:
                             decision = follow(taker)
                             decision.previous_turn = True
@@ -260,7 +260,7 @@ class PrefixPolicy:
                     if backend in usable_set and may_follow(backend):
                         return Decision(backend, _PREFIX_MATCH, wait_for=ticket)
         if self._by_room:
-            roomiest = self._roomiest(key.ring_hash, key.size, ring, usable_set, fits)
+            roomiest = self._roomiest(key.ring_hash, key.size, ring, usable_set, fits, load)
             if roomiest is not None:
                 return Decision(roomiest, _CACHE_ROOM)
             return Decision(least_loaded(usable.ids, load, ring, key.ring_hash), _FALLBACK)
@@ -302,14 +302,22 @@ class PrefixPolicy:
         return self._ledgers is None or self._ledgers.is_held(backend, block)
 
     def _roomiest(
-        self, key_hash: int, size: int, ring: HashRing, usable: frozenset[str], fits: Callable[[str], bool]
+        self,
+        key_hash: int,
+        size: int,
+        ring: HashRing,
+        usable: frozenset[str],
+        fits: Callable[[str], bool],
+        load: LoadTracker,
     ) -> str | None:
-        """The best-ranked of the first ROOM_CHOICES usable backends of the walk that fit; the walk's
-        order breaks ties, so an empty fleet places by the ring. A backend whose requests in flight
+        """The best-ranked of the first ROOM_CHOICES usable backends of the walk that fit; ties to the
+        one fewer requests are bound for, then to the walk's order, so an empty fleet places by the
+        ring. A backend whose requests in flight
         leave no room for a prompt of `size` bytes ranks after those that do: the prompt would queue
         there for KV room behind them."""
         assert self._ledgers is not None
         rank = self._ledgers.rank
+        committed = load.committed
         free_now = self._free_now
         no_limit = _NO_LIMIT
         best: str | None = None
@@ -321,12 +329,16 @@ class PrefixPolicy:
             seen += 1
             if fits(backend):
                 r = rank(backend)
-                if best_rank is None or r < best_rank:
+                if best_rank is None or r <= best_rank:
                     # Looked at only for a backend that would win: most lose on rank alone.
                     if r[0] < 2 and free_now.get(backend, no_limit) < size:
                         r = (2, float(self._ledgers.held_bytes(backend)))
                     if best_rank is None or r < best_rank:
                         best, best_rank = backend, r
+                    elif r == best_rank and best is not None and committed(backend) < committed(best):
+                        # As roomy by the ledgers: the one fewer requests are bound for (those held
+                        # for a prefill there count, though their own blocks are not placed yet).
+                        best = backend
             if seen >= ROOM_CHOICES and best is not None:
                 break
         return best
