@@ -335,8 +335,9 @@ async def test_a_prompt_it_cannot_write_back_does_not_stop_the_learning(scripted
 async def test_an_error_in_one_probe_is_logged_and_the_task_lives_on(scripted_tokenize, caplog) -> None:
     url, _ = scripted_tokenize
     upstream = Upstream(UpstreamConfig())  # not started yet: its first fetch raises
+    changed: list[str] = []
     probe = BytesPerTokenProbe(
-        upstream, lambda: [url], [].append, interval_s=0.0, timeout_s=5.0, clock=time.monotonic
+        upstream, lambda: [url], changed.append, interval_s=0.0, timeout_s=5.0, clock=time.monotonic
     )
     async with _running(probe, upstream) as task:
         probe.offer(url, "/v1/chat/completions", orjson.dumps(_chat(0)), 40)
