@@ -146,7 +146,7 @@ async def test_a_second_request_for_a_prefix_in_prefill_waits_for_it(
     await settle()
     assert not second.done(), "held while the first prefills the prefix"
     load = f.backends.load
-    assert load.committed(first.backend_id) == load.load(first.backend_id) + 1, "bound to go there"
+    assert load.held_for_prefill(first.backend_id) == 1, "bound to go there"
     if first_byte:
         first.first_byte()
     placed = await second
@@ -155,7 +155,7 @@ async def test_a_second_request_for_a_prefix_in_prefill_waits_for_it(
     first.release()
     placed.release()
     assert f.inflight == 0 and f.picker.prefilling == 0
-    assert load.committed(first.backend_id) == 0, "a hold that ended counts no more"
+    assert load.held_for_prefill(first.backend_id) == 0, "a hold that ended counts no more"
 
 
 async def test_without_prefill_waits_nothing_is_held() -> None:

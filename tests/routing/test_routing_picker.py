@@ -488,16 +488,16 @@ def test_candidates_value() -> None:
 
 
 @pytest.mark.parametrize("held_for_prefill", [0, 1, 2])
-def test_a_new_prefix_goes_where_fewer_requests_are_bound_when_the_ledgers_tie(held_for_prefill: int) -> None:
+def test_a_new_prefix_goes_where_fewer_requests_are_held_when_the_ledgers_tie(held_for_prefill: int) -> None:
     # Requests held for a prefill on a backend are bound to go there, though none of their own blocks
     # is placed yet: between caches as roomy by the ledgers, the other one takes a new prefix; with
-    # none held, the walk's order decides, as on an empty fleet.
+    # none held, the walk's order decides, as on an empty fleet, however loaded.
     ids = IDS[:2]
     ring = HashRing([Member(i) for i in ids], 160)
     picker = Picker(BalanceConfig())
     key = bare_key(11, blocks=(5,))
     first, second = list(ring.walk(key.ring_hash))
-    load = LoadTracker()
+    load = tracker_with({second: 3})  # in flight, its blocks in the ledgers: not what breaks the tie
     for _ in range(held_for_prefill):
         load.wait_started(first)
     decision = picker.pick(key, ring, Candidates.of(ids), load)

@@ -137,9 +137,10 @@ class LoadTracker:
         else:
             self._waiting.pop(backend_id, None)
 
-    def committed(self, backend_id: str) -> float:
-        """The load, and the requests held for a prefill there (bound to go there next)."""
-        return self.load(backend_id) + self._waiting.get(backend_id, 0)
+    def held_for_prefill(self, backend_id: str) -> int:
+        """Requests held for a prefill on the backend: bound to go there next, though none of their
+        own blocks is placed yet."""
+        return self._waiting.get(backend_id, 0)
 
     def acquire(self, backend_id: str) -> Lease:
         self._inflight[backend_id] = self._inflight.get(backend_id, 0) + 1

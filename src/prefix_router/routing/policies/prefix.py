@@ -22,7 +22,8 @@ Order of preference:
    every backend about as full, a spill starts no sooner and only trades a warm queue for a cold one;
 2. a prefix no backend holds enough of goes, with `first_placement: cache_room`, to the backend of
    the first ROOM_CHOICES of the key's ring walk whose cache keeps things longest (`cache_room`), ties
-   to the one fewer requests are bound for (`LoadTracker.committed`), then the earliest of the walk;
+   to the one fewer requests are held for a prefill on (`LoadTracker.held_for_prefill`: bound to go
+   there, their blocks not placed yet), then the earliest of the walk;
    with `ring`, to the ring walk: its first backend is `affinity`, a later one `overflow`;
 3. nothing within the bound: the least loaded candidate (`fallback`).
 """
@@ -311,13 +312,13 @@ class PrefixPolicy:
         load: LoadTracker,
     ) -> str | None:
         """The best-ranked of the first ROOM_CHOICES usable backends of the walk that fit; ties to the
-        one fewer requests are bound for, then to the walk's order, so an empty fleet places by the
-        ring. A backend whose requests in flight
+        one fewer requests are held for a prefill on, then to the walk's order, so an empty fleet
+        places by the ring. A backend whose requests in flight
         leave no room for a prompt of `size` bytes ranks after those that do: the prompt would queue
         there for KV room behind them."""
         assert self._ledgers is not None
         rank = self._ledgers.rank
-        committed = load.committed
+        held_for_prefill = load.held_for_prefill
         free_now = self._free_now
         no_limit = _NO_LIMIT
         best: str | None = None
@@ -335,9 +336,13 @@ class PrefixPolicy:
                         r = (2, float(self._ledgers.held_bytes(backend)))
                     if best_rank is None or r < best_rank:
                         best, best_rank = backend, r
-                    elif r == best_rank and best is not None and committed(backend) < committed(best):
-                        # As roomy by the ledgers: the one fewer requests are bound for (those held
-                        # for a prefill there count, though their own blocks are not placed yet).
+                    elif (
+                        r == best_rank
+                        and best is not None
+                        and held_for_prefill(backend) < held_for_prefill(best)
+                    ):
+                        # As roomy by the ledgers, which do not hold the blocks of requests held for
+                        # a prefill yet: the one fewer of those are bound for.
                         best = backend
             if seen >= ROOM_CHOICES and best is not None:
                 break
