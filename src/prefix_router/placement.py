@@ -418,12 +418,7 @@ class Placer:
                 raise NoBackend("no healthy backend is available")
             if decision.wait_for is not None:
                 wait = False  # once: after it, the index knows where the prefix went
-                held_on = decision.backend_id
-                self._backends.load.wait_started(held_on)
-                try:
-                    await self._wait_for_prefill(decision.wait_for)
-                finally:
-                    self._backends.load.wait_ended(held_on)
+                await self._wait_for_prefill(decision.wait_for, decision.backend_id)
                 continue
             load = self._backends.load
             if load.load(decision.backend_id) < config.max_inflight:
@@ -553,10 +548,17 @@ class Placer:
         self._backends.load.clear_peers()
         self._picker.shared_held(())
 
-    async def _wait_for_prefill(self, ticket: int) -> None:
+    async def _wait_for_prefill(self, ticket: int, backend: str) -> None:
+        """Held until the prefill on `backend` ends (bounded), counted there meanwhile: the request
+        is bound to go there, though none of its blocks is placed yet."""
         assert self._holds is not None
+        load = self._backends.load
         began = time.perf_counter()
-        outcome = await self._holds.wait(ticket, self._config.prefill_wait_s)
+        load.prefill_hold_began(backend)
+        try:
+            outcome = await self._holds.wait(ticket, self._config.prefill_wait_s)
+        finally:
+            load.prefill_hold_ended(backend)
         if outcome is not None:
             self._waits.prefill_waited(outcome, time.perf_counter() - began)
 

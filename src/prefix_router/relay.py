@@ -29,7 +29,7 @@ from prefix_router.errors import (
     UpstreamError,
 )
 from prefix_router.fleet.backends import BackendSet
-from prefix_router.fleet.bytes_per_token import CHAT_PATH, COMPLETIONS_PATH, BytesPerTokenProbe
+from prefix_router.fleet.bytes_per_token import TOKENIZABLE_PATHS, BytesPerTokenProbe
 from prefix_router.frontend.exchange import Exchange
 from prefix_router.ops.metrics import RouterMetrics
 from prefix_router.placement import Placement, Placer
@@ -49,7 +49,6 @@ from prefix_router.upstream.client import Upstream, UpstreamResponse, request_he
 
 BACKEND_HEADER = b"x-prefix-router-backend"
 _REFUSED_METHODS = frozenset({"CONNECT", "TRACE"})
-_TOKENIZABLE_PATHS = frozenset({CHAT_PATH, COMPLETIONS_PATH})
 # In a body only when it may name a stored response (a longer needle scans faster: 8-11 µs at 32 KB
 # against 16-25 µs for the id's mark, benchmarks/responses_rewrite.py).
 _PREVIOUS_FIELD = b'"previous_response_id"'
@@ -231,7 +230,7 @@ class Proxy:
                         samples is not None
                         and key.source is KeySource.OPENAI
                         and key.size < self._max_key_bytes
-                        and ex.path in _TOKENIZABLE_PATHS
+                        and ex.path in TOKENIZABLE_PATHS
                         and samples.wants(backend)
                     ):
                         samples.offer(backend, ex.path, body, key.size)

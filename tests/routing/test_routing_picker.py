@@ -499,7 +499,7 @@ def test_a_new_prefix_goes_where_fewer_requests_are_held_when_the_ledgers_tie(he
     first, second = list(ring.walk(key.ring_hash))
     load = tracker_with({second: 3})  # in flight, its blocks in the ledgers: not what breaks the tie
     for _ in range(held_for_prefill):
-        load.wait_started(first)
+        load.prefill_hold_began(first)
     decision = picker.pick(key, ring, Candidates.of(ids), load)
     assert decision is not None and decision.branch is Branch.CACHE_ROOM
     assert decision.backend_id == (second if held_for_prefill else first)

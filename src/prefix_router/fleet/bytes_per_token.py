@@ -30,6 +30,7 @@ DEFAULT_BYTES_PER_TOKEN = 4.0  # about English text's under common tokenizers
 TOKENIZE_PATH = "/tokenize"
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
+TOKENIZABLE_PATHS = frozenset({CHAT_PATH, COMPLETIONS_PATH})  # the prompts tokenize_body can send
 SAMPLES = 16  # the ratio is the sums' over this many recent prompts
 SETTLED_INTERVAL_S = 60.0  # one sample a backend this often once SAMPLES are in
 # What shapes the rendered prompt, as vLLM's TokenizeChatRequest takes it.

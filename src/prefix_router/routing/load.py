@@ -102,6 +102,7 @@ class LoadTracker:
     __slots__ = (
         "_external",
         "_external_extra",
+        "_held_for_prefill",
         "_inflight",
         "_others",
         "_peers",
@@ -110,7 +111,6 @@ class LoadTracker:
         "_since",
         "_since_total",
         "_total",
-        "_waiting",
     )
 
     def __init__(self) -> None:
@@ -125,22 +125,22 @@ class LoadTracker:
         self._peers_total = 0
         self._peers_known = False
         # Requests held for a prefill on the backend: bound to go there, not yet in flight.
-        self._waiting: dict[str, int] = {}
+        self._held_for_prefill: dict[str, int] = {}
 
-    def wait_started(self, backend_id: str) -> None:
-        self._waiting[backend_id] = self._waiting.get(backend_id, 0) + 1
+    def prefill_hold_began(self, backend_id: str) -> None:
+        self._held_for_prefill[backend_id] = self._held_for_prefill.get(backend_id, 0) + 1
 
-    def wait_ended(self, backend_id: str) -> None:
-        left = self._waiting.get(backend_id, 0) - 1
+    def prefill_hold_ended(self, backend_id: str) -> None:
+        left = self._held_for_prefill.get(backend_id, 0) - 1
         if left > 0:
-            self._waiting[backend_id] = left
+            self._held_for_prefill[backend_id] = left
         else:
-            self._waiting.pop(backend_id, None)
+            self._held_for_prefill.pop(backend_id, None)
 
     def held_for_prefill(self, backend_id: str) -> int:
         """Requests held for a prefill on the backend: bound to go there next, though none of their
         own blocks is placed yet."""
-        return self._waiting.get(backend_id, 0)
+        return self._held_for_prefill.get(backend_id, 0)
 
     def acquire(self, backend_id: str) -> Lease:
         self._inflight[backend_id] = self._inflight.get(backend_id, 0) + 1

@@ -312,8 +312,8 @@ class PrefixPolicy:
         load: LoadTracker,
     ) -> str | None:
         """The best-ranked of the first ROOM_CHOICES usable backends of the walk that fit; ties to the
-        one fewer requests are held for a prefill on, then to the walk's order, so an empty fleet
-        places by the ring. A backend whose requests in flight
+        one fewer requests are held for a prefill on (the ledgers do not hold their blocks yet), then
+        to the walk's order, so an empty fleet places by the ring. A backend whose requests in flight
         leave no room for a prompt of `size` bytes ranks after those that do: the prompt would queue
         there for KV room behind them."""
         assert self._ledgers is not None
@@ -322,7 +322,7 @@ class PrefixPolicy:
         free_now = self._free_now
         no_limit = _NO_LIMIT
         best: str | None = None
-        best_rank: tuple[int, float] | None = None
+        best_order: tuple[tuple[int, float], int] | None = None  # (rank, requests held there)
         seen = 0
         for backend in ring.walk(key_hash):
             if backend not in usable:
@@ -330,20 +330,13 @@ class PrefixPolicy:
             seen += 1
             if fits(backend):
                 r = rank(backend)
-                if best_rank is None or r <= best_rank:
-                    # Looked at only for a backend that would win: most lose on rank alone.
+                if best_order is None or r <= best_order[0]:
+                    # Looked at only for a backend that might win: most lose on rank alone.
                     if r[0] < 2 and free_now.get(backend, no_limit) < size:
                         r = (2, float(self._ledgers.held_bytes(backend)))
-                    if best_rank is None or r < best_rank:
-                        best, best_rank = backend, r
-                    elif (
-                        r == best_rank
-                        and best is not None
-                        and held_for_prefill(backend) < held_for_prefill(best)
-                    ):
-                        # As roomy by the ledgers, which do not hold the blocks of requests held for
-                        # a prefill yet: the one fewer of those are bound for.
-                        best = backend
+                    order = (r, held_for_prefill(backend))
+                    if best_order is None or order < best_order:
+                        best, best_order = backend, order
             if seen >= ROOM_CHOICES and best is not None:
                 break
         return best
