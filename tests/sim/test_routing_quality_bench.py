@@ -129,8 +129,8 @@ def _summary(hit: float, oracle: float, p99: float, load: float) -> RunSummary:
 def test_rows_give_mean_and_worst_over_layouts_paired_by_layout(rq: ModuleType) -> None:
     Run = rq.Run
     runs = [
-        Run("w", "prefix", "1", 0, "closed", _summary(0.6, 0.8, 1.0, 1.2), 0.8),
-        Run("w", "prefix", "1", 1, "closed", _summary(0.4, 0.5, 2.0, 1.6), 0.5),
+        Run("w", "prefix", "1", 0, "closed", _summary(0.6, 0.8, 1.0, 1.2), 0.8, placement=0.72),
+        Run("w", "prefix", "1", 1, "closed", _summary(0.4, 0.5, 2.0, 1.6), 0.5, placement=0.5),
         Run("w", "sglang_cache_aware", "1", 0, "closed", _summary(0.5, 0.8, 1.0, 1.1), 0.8),
         Run("w", "sglang_cache_aware", "1", 1, "closed", _summary(0.5, 0.5, 1.0, 1.1), 0.5),
         Run("w", "prefix", "3 rr", 0, "closed", _summary(0.3, 0.8, 1.0, 1.0), 0.8),
@@ -144,6 +144,9 @@ def test_rows_give_mean_and_worst_over_layouts_paired_by_layout(rq: ModuleType) 
     ours = rows[("prefix", "1")]
     assert (ours.hit.mean, ours.hit.worst) == pytest.approx((0.5, 0.4))
     assert (ours.of_oracle.mean, ours.of_oracle.worst) == pytest.approx(((0.75 + 0.8) / 2, 0.75))
+    # Its placement, the engines' arrivals replayed one at a time: 0.72 / 0.8 and 0.5 / 0.5.
+    assert (ours.placement_of_oracle.mean, ours.placement_of_oracle.worst) == pytest.approx((0.95, 0.9))
+    assert rows[("sglang_cache_aware", "1")].placement_of_oracle is None  # not replayed: not shown
     assert (ours.minus_sglang.mean, ours.minus_sglang.worst) == pytest.approx((0.0, -0.1))
     assert (ours.ttft_p99_s.mean, ours.ttft_p99_s.worst) == pytest.approx((1.5, 2.0))  # worst: highest
     assert (ours.max_mean_load.mean, ours.max_mean_load.worst) == pytest.approx((1.4, 1.6))
@@ -157,11 +160,14 @@ def test_rows_give_mean_and_worst_over_layouts_paired_by_layout(rq: ModuleType) 
     text = rq.table(list(rows.values()))
     assert "| prefix | 3 rr shared | 0 | unsupported |" in text
     assert (
-        "| prefix | 1 | 2 | 50.0% | 40.0% | 0.77 | 0.75 | +0.0 | -10.0 | - | - | 750 | 1000 | 1500 | 2000 |"
-        in text
+        "| prefix | 1 | 2 | 50.0% | 40.0% | 0.77 | 0.75 | 0.95 | 0.90 | +0.0 | -10.0 | - | - "
+        "| 750 | 1000 | 1500 | 2000 |" in text
     )
     targets = rq.check_targets(list(rows.values()))
-    assert any("MISSED" in t and "worst layout 0.75" in t for t in targets)
+    assert any(
+        "MISSED" in t and "worst layout 0.75" in t and "its placement, worst layout: 0.90" in t
+        for t in targets
+    )
     assert any("n/a" in t and "unsupported" in t for t in targets)
 
 
@@ -355,3 +361,36 @@ def test_external_runs_serve_the_layouts_requests_when_the_caches_are_reset(
         assert bodies != [r.body for r in sglang.requests] and bodies != [
             r.body for r in ctx.workload.requests
         ]
+
+
+def test_a_placement_replayed_hits_what_each_engine_kept_of_its_own_arrivals(rq: ModuleType) -> None:
+    b = rq.BLOCK_SIZE
+    shared, other = [1, 2, 3], [7, 8, 9]
+    # Engine one: a prompt of 3 blocks twice (the second hits 2 blocks: the last token is recomputed),
+    # then another that evicts it from a 3-block cache, then the first again (a miss).
+    one = [(3 * b, shared), (3 * b, shared), (3 * b, other), (3 * b, shared)]
+    two = [(3 * b + 1, other), (3 * b + 1, other)]  # one token more: all 3 blocks hit
+    replay = rq.placement_replay([one, two], 3)
+    assert replay == pytest.approx((2 * b + 3 * b) / (4 * 3 * b + 2 * (3 * b + 1)))
+    assert rq.placement_replay([[], []], 3) is None
+
+
+async def test_served_one_at_a_time_the_replay_equals_what_the_engines_counted(rq: ModuleType) -> None:
+    config = SimConfig(overhead_ms=0.0, prefill_ms_per_token=0.0, itl_ms=0.0, capacity_blocks=24)
+    workload = shared_prefix(groups=3, prompts_per_group=3, system_tokens=160, question_tokens=16, seed=4)
+    async with SimFleet(config, count=2) as fleet, client_session() as session:
+        for backend in fleet.backends:
+            backend.server.scheduler.record_arrivals()
+        for request in workload.requests:  # groups g0, g1, g2 over the two engines, one request at a time
+            url = fleet.urls[int(request.group.removeprefix("g")) % 2]
+            async with session.post(f"{url}/v1/chat/completions", json=request.body) as resp:
+                assert resp.status == 200
+        hits = queries = 0
+        for backend in fleet.backends:
+            stats = backend.server.stats()
+            hits += stats["prefix_cache_hits"]
+            queries += stats["prefix_cache_queries"]
+        arrivals = [b.server.scheduler.arrivals for b in fleet.backends]
+    assert [len(a) for a in arrivals] != [0, 0] and sum(map(len, arrivals)) == len(workload.requests)
+    assert 0 < hits < queries
+    assert rq.placement_replay(arrivals, 24) == pytest.approx(hits / queries)

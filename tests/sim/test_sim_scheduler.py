@@ -158,3 +158,33 @@ async def test_reset_zeroes_counters_and_forgets_cached_prefixes() -> None:
     assert scheduler.counters.requests_arrived == 0
     async with scheduler.schedule(prompt) as running:
         assert running.cached_tokens == 0
+
+
+async def test_arrivals_are_recorded_in_arrival_order_only_when_asked_and_reset_empties_them() -> None:
+    scheduler = make_scheduler(
+        SimConfig(max_num_seqs=1, overhead_ms=0.0, prefill_ms_per_token=0.0, block_size=4)
+    )
+    first, second = tokenize_text("a" * 40), tokenize_text("b" * 24)
+    async with scheduler.schedule(first) as running:
+        running.finish()
+    assert scheduler.arrivals == []  # off by default: a long-running sim keeps no record
+    scheduler.record_arrivals()
+    log: list[str] = []
+    release = asyncio.Event()
+    holder = asyncio.create_task(hold(scheduler, first, release, log, "first"))
+    await eventually(lambda: scheduler.num_running == 1)
+    waiter = asyncio.create_task(hold(scheduler, second, asyncio.Event(), log, "second"))
+    await eventually(lambda: scheduler.num_waiting == 1)
+    # Recorded as it arrived, not when admitted: the second is still waiting for the only slot.
+    assert scheduler.arrivals == [
+        (first.num_tokens, scheduler.schedule(first).block_hashes),
+        (second.num_tokens, scheduler.schedule(second).block_hashes),
+    ]
+    waiter.cancel()
+    release.set()
+    await holder
+    scheduler.reset()
+    assert scheduler.arrivals == []
+    async with scheduler.schedule(second) as running:
+        running.finish()
+    assert [tokens for tokens, _ in scheduler.arrivals] == [second.num_tokens]  # still recording

@@ -38,6 +38,8 @@ class Scheduler:
         self.clock = clock
         self._num_running = 0
         self._waiting: deque[tuple[ScheduledRequest, asyncio.Future[None]]] = deque()
+        # Every prompt that arrived, in order, while recording (None: not recording).
+        self._arrivals: list[tuple[int, list[int]]] | None = None
 
     @property
     def num_running(self) -> int:
@@ -63,8 +65,24 @@ class Scheduler:
             )
         return ScheduledRequest(self, prompt, cache_salt)
 
+    def record_arrivals(self) -> None:
+        """Keep each arriving prompt's (tokens, block hashes) from now on; reset empties the record.
+
+        For the routing benchmark: each engine's arrivals replayed on an LRU of its size measure the
+        router's placement apart from what serving cost (blocks pinned by running requests, prefixes
+        reused before their prefill was done). Off by default: the record grows with every request."""
+        if self._arrivals is None:
+            self._arrivals = []
+
+    @property
+    def arrivals(self) -> list[tuple[int, list[int]]]:
+        """The prompts recorded since the last reset, in arrival order (empty when not recording)."""
+        return list(self._arrivals) if self._arrivals is not None else []
+
     def reset(self) -> None:
         """Zero the counters and drop unreferenced cached blocks; peaks restart from the present."""
+        if self._arrivals is not None:
+            self._arrivals.clear()
         self.counters = BackendCounters()
         self.counters.note_occupancy(self._num_running, len(self._waiting))
         self.cache.clear()
@@ -75,6 +93,8 @@ class Scheduler:
 
     async def _admit(self, request: ScheduledRequest) -> None:
         self.counters.requests_arrived += 1
+        if self._arrivals is not None:
+            self._arrivals.append((request.prompt.num_tokens, request.block_hashes))
         if not self._waiting and self._try_start(request):
             return
         admitted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
