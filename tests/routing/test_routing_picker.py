@@ -503,3 +503,45 @@ def test_a_new_prefix_goes_where_fewer_requests_are_held_when_the_ledgers_tie(he
     decision = picker.pick(key, ring, Candidates.of(ids), load)
     assert decision is not None and decision.branch is Branch.CACHE_ROOM
     assert decision.backend_id == (second if held_for_prefill else first)
+
+
+def bare_chat_key(*contents: str) -> RoutingKey:
+    """A chat without a system prompt, keyed as settings build it by default."""
+    roles = ["user", "assistant"]
+    messages = [{"role": roles[i % 2], "content": c} for i, c in enumerate(contents)]
+    body = orjson.dumps({"model": "m", "messages": messages})
+    return extract_key("/v1/chat/completions", body, None, KeyConfig())
+
+
+SHORT_QUESTION = "Can you help me plan three days in Lisbon?"  # under the key's first block
+REPLY = "Sure. Day one: the Alfama, the castle and a tram ride; day two: Belem. " * 4
+
+
+@pytest.mark.parametrize(
+    ("new_message", "taker_load", "first_placement", "follows"),
+    [
+        pytest.param("And in May?", 0, FirstPlacement.CACHE_ROOM, True, id="follows-the-taker"),
+        pytest.param("And in May?", 3, FirstPlacement.CACHE_ROOM, True, id="busy-within-the-floor"),
+        pytest.param("And in May?", 9, FirstPlacement.CACHE_ROOM, False, id="over-the-relative-bound"),
+        pytest.param("Itinerary: " + "x" * 1200, 0, FirstPlacement.CACHE_ROOM, False, id="mostly-new"),
+        pytest.param("And in May?", 0, FirstPlacement.RING, False, id="the-ring-places-it"),
+    ],
+)
+def test_a_next_turn_follows_a_first_turn_too_short_to_fill_a_block(
+    new_message: str, taker_load: int, first_placement: FirstPlacement, follows: bool
+) -> None:
+    """The index holds no block of a prompt shorter than the key's first block, only who took it (by
+    its end). The next turn, that prompt and its reply ahead of a short question, goes there within
+    the relative bound, by cache room; a turn mostly new, or one the ring places, is placed anew."""
+    picker = Picker(BalanceConfig(first_placement=first_placement))
+    first = bare_chat_key(SHORT_QUESTION)
+    assert first.blocks == () and first.prompt_end
+    second = bare_chat_key(SHORT_QUESTION, REPLY, new_message)
+    taker = list(RING.walk(second.ring_hash))[-1]  # the last backend either placement would pick
+    own(picker, first, taker, in_flight=False)
+    assert picker.index is not None and picker.index.prompt_taker(first.prompt_end) == taker
+    decision = picker.pick(second, RING, ALL, tracker_with({taker: taker_load}))
+    assert decision is not None
+    assert (decision.backend_id == taker, decision.previous_turn) == (follows, follows)
+    if follows:
+        assert decision.branch is Branch.PREFIX_MATCH

@@ -225,11 +225,15 @@ class Picker:
             self._ledgers.let_go(backend_id, key.blocks)
 
     def placed(self, key: RoutingKey, backend_id: str) -> None:
-        """Learn from a placement that reached the backend (its answer began well)."""
-        if self._index is not None and key.blocks:
-            self._index.record(key.blocks, backend_id)
-            if key.prompt_end:
-                self._index.record_prompt_end(key.prompt_end, backend_id)
+        """Learn from a placement that reached the backend (its answer began well). The prompt's end
+        is noted even when the prompt filled no block: the next turn finds its taker by it alone."""
+        index = self._index
+        if index is None:
+            return
+        if key.blocks:
+            index.record(key.blocks, backend_id)
+        if key.prompt_end:
+            index.record_prompt_end(key.prompt_end, backend_id)
 
     def forget_placed(self, key: RoutingKey, backend_id: str, after: int) -> None:
         """The backend no longer holds the request's blocks past the first `after` (the shared store,

@@ -10,7 +10,10 @@ Order of preference:
    out since, cover the share or have not branched either), and a conversation's next turn stays
    with the backend that took the previous one, within the relative bound, when only a head it shares
    is still held there and that head is a minor preamble (`RoutingKey.minor_preamble`) the cache-room
-   choice holds less of. With ledgers, the owner whose cache keeps
+   choice holds less of. A previous turn whose whole prompt filled no block of the key has no blocks
+   in the index, only its end (`RoutingKey.previous_prompt_end`): with cache room, the next turn
+   follows the backend that took it, within the relative bound, when that prompt and its reply cover
+   the share. With ledgers, the owner whose cache keeps
    things longest first (every owner has the prefix: the conversation it starts grows where its cache
    has room), the first holder on a tie; without, the first holder first. With `first_placement:
    ring`, only a prefix that reaches the ring key's end is followed (`covers_ring_key`). An owner
@@ -69,6 +72,12 @@ _AFFINITY, _PREFIX_MATCH, _OVERFLOW, _FALLBACK, _CACHE_ROOM = (
 def covers(key: RoutingKey, known_blocks: int, threshold: float) -> bool:
     """Is a prefix of `known_blocks` blocks enough of this request to follow its owners?"""
     return known_blocks > 0 and key.covered_bytes(known_blocks) >= threshold * key.size
+
+
+def _filled_no_block(key: RoutingKey) -> bool:
+    """Did the previous turn's whole prompt end before the key's first block did? The index then
+    knows who took it by its end alone: no block of it was recorded anywhere."""
+    return bool(key.ends) and key.reply[0] < key.ends[0]
 
 
 def covers_ring_key(key: RoutingKey, known_blocks: int, threshold: float) -> bool:
@@ -162,6 +171,18 @@ class PrefixPolicy:
         def may_follow(backend: str) -> bool:
             return load_of(backend) + 1 <= follow_limit
 
+        if self._by_room and key.previous_prompt_end and _filled_no_block(key):
+            assert self._index is not None
+            taker = self._index.prompt_taker(key.previous_prompt_end)
+            if (
+                taker is not None
+                and taker in usable_set
+                and key.reply[1] >= self._threshold * key.size
+                and fits(taker)
+            ):
+                short_turn = Decision(taker, _PREFIX_MATCH)
+                short_turn.previous_turn = True
+                return short_turn
         if self._index is not None and key.blocks:
             # Owners in the order they took the prefix: the first holder keeps it while it is below
             # max_inflight and no other owner's cache has more room, so one spill does not rotate a
