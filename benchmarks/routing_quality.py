@@ -57,6 +57,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,6 +98,7 @@ from prefix_router.loadgen.workloads import (
     multi_turn,
     oracle_from_blocks,
     oracle_hit_rate,
+    prompt_blocks,
     shared_prefix,
     shared_system,
     tenants,
@@ -550,8 +552,9 @@ async def run_one(
                 [b.server.scheduler.arrivals for b in ctx.fleet.backends], ctx.sizing.per_backend_blocks
             )
         if args.diagnose:
+            engines = engines_reached(workload, results, ctx.fleet) if ctx.fleet is not None else {}
             write_diagnosis(Path(args.diagnose), spec, ctx, policy, setup, layout, mode, summary, results,
-                            run.placement)  # fmt: skip
+                            run.placement, engines)  # fmt: skip
         return summary
 
     if policy.kind == "static":
@@ -601,19 +604,37 @@ def placement_replay(
     return hits / total if total else None
 
 
+def engines_reached(workload: Workload, results: Sequence[RequestResult], fleet: SimFleet) -> dict[int, str]:
+    """Per request (its index), the sim engine its prompt arrived at, found by its block hashes in the
+    engines' records, for routers that do not name the backend. Two identical prompts sent to two
+    engines may be swapped, which changes nothing either engine holds. A prompt the router changed on
+    the way (a `cache_salt` it set) is not found."""
+    arrived: dict[tuple[int, ...], deque[str]] = {}
+    for backend in fleet.backends:
+        for _, hashes in backend.server.scheduler.arrivals:
+            arrived.setdefault(tuple(hashes), deque()).append(backend.url)
+    engines: dict[int, str] = {}
+    for r in sorted(results, key=lambda r: r.sent_s):
+        urls = arrived.get(tuple(prompt_blocks(workload.requests[r.index].body, BLOCK_SIZE)[1]))
+        if urls:
+            engines[r.index] = urls.popleft()
+    return engines
+
+
 def write_diagnosis(
     folder: Path, spec: WorkloadSpec, ctx: LayoutContext, policy: PolicySpec, setup: Setup, layout: int,
     mode: str, summary: RunSummary, results: Sequence[RequestResult], replay: float | None,
+    engines: Mapping[int, str],
 ) -> None:  # fmt: skip
-    """One run's requests as they went (backend, cached tokens, times), for an offline look at where
-    a placement lost hits: `--diagnose DIR` writes one JSON file per run and prints the run's
-    placement replayed (see placement_replay) beside its hit rate and the oracle."""
+    """One run's requests as they went (backend, the sim engine it reached, cached tokens, times), for
+    an offline look at where a placement lost hits: `--diagnose DIR` writes one JSON file per run and
+    prints the run's placement replayed (see placement_replay) beside its hit rate and the oracle."""
     folder.mkdir(parents=True, exist_ok=True)
     doc = {
         "workload": spec.name, "policy": policy.name, "setup": setup.name, "layout": layout, "mode": mode,
         "per_backend_blocks": ctx.sizing.per_backend_blocks if ctx.sizing else None,
         "backends": ctx.urls, "oracle": ctx.oracle, "placement_replay": replay, "summary": summary.as_dict(),
-        "requests": [dataclasses.asdict(r) for r in results],
+        "requests": [dataclasses.asdict(r) | {"engine": engines.get(r.index)} for r in results],
     }  # fmt: skip
     name = f"{spec.name}-{mode}-{policy.name}-{setup.name.replace(' ', '_')}-{layout}.json"
     (folder / name).write_text(json.dumps(doc))
@@ -1194,7 +1215,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--diagnose",
         metavar="DIR",
-        help="write each run's requests (backend, cached tokens, times) as JSON into DIR",
+        help="write each run's requests (backend, sim engine reached, cached tokens, times) as JSON into DIR",
     )
     p.add_argument("--no-sglang", action="store_true", help="skip SGLang's router even if installed")
     p.add_argument(

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
-from prefix_router.loadgen.drivers import RunSummary, client_session
+from prefix_router.loadgen.drivers import RequestResult, RunSummary, client_session
 from prefix_router.loadgen.workloads import distinct_blocks, largest_prompt_blocks, shared_prefix
 from prefix_router.sim.config import SimConfig
 from prefix_router.sim.fleet import SimFleet
@@ -381,10 +381,16 @@ async def test_served_one_at_a_time_the_replay_equals_what_the_engines_counted(r
     async with SimFleet(config, count=2) as fleet, client_session() as session:
         for backend in fleet.backends:
             backend.server.scheduler.record_arrivals()
-        for request in workload.requests:  # groups g0, g1, g2 over the two engines, one request at a time
-            url = fleet.urls[int(request.group.removeprefix("g")) % 2]
+        sent_to: dict[int, str] = {}
+        for i, request in enumerate(workload.requests):  # g0, g1, g2 over two engines, one at a time
+            url = sent_to[i] = fleet.urls[int(request.group.removeprefix("g")) % 2]
             async with session.post(f"{url}/v1/chat/completions", json=request.body) as resp:
                 assert resp.status == 200
+        # A router that names no backend: each request's engine is found from what the engines saw.
+        results = [
+            RequestResult(i, r.group, None, 200, sent_s=float(i)) for i, r in enumerate(workload.requests)
+        ]
+        assert rq.engines_reached(workload, results, fleet) == sent_to
         hits = queries = 0
         for backend in fleet.backends:
             stats = backend.server.stats()
