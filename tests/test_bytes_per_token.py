@@ -15,6 +15,16 @@ from prefix_router.fleet.bytes_per_token import SAMPLES, TokenRatio, parse_token
 MESSAGES = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}]
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+# Every field of a chat body that shapes its prompt: sent to /tokenize as it is.
+TEMPLATE_FIELDS = {
+    "messages": MESSAGES,
+    "tools": [{"type": "function"}],
+    "add_generation_prompt": False,
+    "continue_final_message": True,
+    "chat_template": "T",
+    "chat_template_kwargs": {"x": 1},
+    "add_special_tokens": True,
+}
 
 
 @pytest.mark.parametrize(
@@ -26,28 +36,7 @@ COMPLETIONS = "/v1/completions"
             {"model": "m", "messages": MESSAGES},
             id="chat-drops-what-does-not-shape-the-prompt",
         ),
-        pytest.param(
-            CHAT,
-            {
-                "messages": MESSAGES,
-                "tools": [{"type": "function"}],
-                "add_generation_prompt": False,
-                "continue_final_message": True,
-                "chat_template": "T",
-                "chat_template_kwargs": {"x": 1},
-                "add_special_tokens": True,
-            },
-            {
-                "messages": MESSAGES,
-                "tools": [{"type": "function"}],
-                "add_generation_prompt": False,
-                "continue_final_message": True,
-                "chat_template": "T",
-                "chat_template_kwargs": {"x": 1},
-                "add_special_tokens": True,
-            },
-            id="chat-keeps-what-the-template-reads",
-        ),
+        pytest.param(CHAT, TEMPLATE_FIELDS, TEMPLATE_FIELDS, id="chat-keeps-what-the-template-reads"),
         pytest.param(CHAT, {"model": "m", "messages": []}, None, id="chat-without-messages"),
         pytest.param(
             CHAT,

@@ -16,6 +16,7 @@ from aiohttp import web
 from prefix_router.fleet.bytes_per_token import BytesPerTokenProbe
 from prefix_router.fleet.kv_capacity import parse_kv_capacity_tokens
 from prefix_router.routing.keys import extract_key
+from prefix_router.settings import Settings
 from prefix_router.upstream.client import Upstream
 from prefix_router.upstream.config import UpstreamConfig
 
@@ -144,6 +145,11 @@ def _chat(i: int) -> dict[str, Any]:
     }
 
 
+def _key_bytes(settings: Settings) -> int:
+    """Bytes of key material in each `_chat` body: what a learnt ratio divides by its token count."""
+    return extract_key("/v1/chat/completions", orjson.dumps(_chat(0)), None, settings.key_config()).size
+
+
 async def _until_each_answered(r, client, urls: list[str]) -> None:
     answered: set[str] = set()
     for i in range(400):
@@ -169,7 +175,7 @@ async def test_each_backends_bytes_per_token_is_learnt_from_its_tokenize(
     a, b, c = vllm_like
     await eventually(lambda: ledgers.capacity(a) == 100 * 16 * 4.0)
     await _until_each_answered(r, client, vllm_like)
-    size = extract_key("/v1/chat/completions", orjson.dumps(_chat(0)), None, settings.key_config()).size
+    size = _key_bytes(settings)
     await eventually(
         lambda: ledgers.capacity(a) == 100 * 16 * size / 50 and ledgers.capacity(b) == 300 * 16 * size / 200
     )
@@ -208,7 +214,7 @@ async def test_a_configured_capacity_is_converted_with_the_learnt_ratio(
     a, b, c = vllm_like
     await eventually(lambda: ledgers.capacity(c) == 5000 * 4.0)
     await _until_each_answered(r, client, vllm_like)
-    size = extract_key("/v1/chat/completions", orjson.dumps(_chat(0)), None, settings.key_config()).size
+    size = _key_bytes(settings)
     await eventually(
         lambda: ledgers.capacity(a) == 5000 * size / 50 and ledgers.capacity(b) == 5000 * size / 200
     )
@@ -224,7 +230,7 @@ async def test_the_admin_listing_shows_what_first_placements_weigh(
     r = await router(settings)
     a, b, c = vllm_like
     await _until_each_answered(r, client, vllm_like)
-    size = extract_key("/v1/chat/completions", orjson.dumps(_chat(0)), None, settings.key_config()).size
+    size = _key_bytes(settings)
     server, task, port = await start_side_app(r.app.admin_app, r.app.settings)
     try:
 
