@@ -547,12 +547,12 @@ async def run_one(
             timed=spec.timed, max_duration_s=args.open_duration if mode == "open" else None,
             oracle_hit_rate=oracle,
         )  # fmt: skip
-        if ctx.fleet is not None and ctx.sizing is not None:
-            run.placement = placement_replay(
-                [b.server.scheduler.arrivals for b in ctx.fleet.backends], ctx.sizing.per_backend_blocks
-            )
+        # What reached each simulated engine, read once for the replay and the diagnosis.
+        arrivals = {b.url: b.server.scheduler.arrivals for b in ctx.fleet.backends} if ctx.fleet else {}
+        if arrivals and ctx.sizing is not None:
+            run.placement = placement_replay(list(arrivals.values()), ctx.sizing.per_backend_blocks)
         if args.diagnose:
-            engines = engines_reached(workload, results, ctx.fleet) if ctx.fleet is not None else {}
+            engines = engines_reached(workload, results, arrivals)
             write_diagnosis(Path(args.diagnose), spec, ctx, policy, setup, layout, mode, summary, results,
                             run.placement, engines)  # fmt: skip
         return summary
@@ -604,15 +604,19 @@ def placement_replay(
     return hits / total if total else None
 
 
-def engines_reached(workload: Workload, results: Sequence[RequestResult], fleet: SimFleet) -> dict[int, str]:
+def engines_reached(
+    workload: Workload,
+    results: Sequence[RequestResult],
+    arrivals: Mapping[str, Sequence[tuple[int, Sequence[int]]]],
+) -> dict[int, str]:
     """Per request (its index), the sim engine its prompt arrived at, found by its block hashes in the
     engines' records, for routers that do not name the backend. Two identical prompts sent to two
     engines may be swapped, which changes nothing either engine holds. A prompt the router changed on
     the way (a `cache_salt` it set) is not found."""
     arrived: dict[tuple[int, ...], deque[str]] = {}
-    for backend in fleet.backends:
-        for _, hashes in backend.server.scheduler.arrivals:
-            arrived.setdefault(tuple(hashes), deque()).append(backend.url)
+    for url, prompts in arrivals.items():
+        for _, hashes in prompts:
+            arrived.setdefault(tuple(hashes), deque()).append(url)
     engines: dict[int, str] = {}
     for r in sorted(results, key=lambda r: r.sent_s):
         urls = arrived.get(tuple(prompt_blocks(workload.requests[r.index].body, BLOCK_SIZE)[1]))

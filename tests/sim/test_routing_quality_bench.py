@@ -386,17 +386,16 @@ async def test_served_one_at_a_time_the_replay_equals_what_the_engines_counted(r
             url = sent_to[i] = fleet.urls[int(request.group.removeprefix("g")) % 2]
             async with session.post(f"{url}/v1/chat/completions", json=request.body) as resp:
                 assert resp.status == 200
-        # A router that names no backend: each request's engine is found from what the engines saw.
-        results = [
-            RequestResult(i, r.group, None, 200, sent_s=float(i)) for i, r in enumerate(workload.requests)
-        ]
-        assert rq.engines_reached(workload, results, fleet) == sent_to
         hits = queries = 0
         for backend in fleet.backends:
             stats = backend.server.stats()
             hits += stats["prefix_cache_hits"]
             queries += stats["prefix_cache_queries"]
-        arrivals = [b.server.scheduler.arrivals for b in fleet.backends]
-    assert [len(a) for a in arrivals] != [0, 0] and sum(map(len, arrivals)) == len(workload.requests)
+        arrivals = {b.url: b.server.scheduler.arrivals for b in fleet.backends}
+    # A router that names no backend: each request's engine is found from what the engines saw.
+    results = [RequestResult(i, r.group, None, 200, sent_s=float(i)) for i, r in enumerate(workload.requests)]
+    assert rq.engines_reached(workload, results, arrivals) == sent_to
+    assert [len(a) for a in arrivals.values()] != [0, 0]
+    assert sum(map(len, arrivals.values())) == len(workload.requests)
     assert 0 < hits < queries
-    assert rq.placement_replay(arrivals, 24) == pytest.approx(hits / queries)
+    assert rq.placement_replay(list(arrivals.values()), 24) == pytest.approx(hits / queries)
