@@ -81,6 +81,8 @@ class SharedStore(Protocol):
 
     def prefilled(self, mark: str, request: ClaimRequest, backend_id: str) -> None: ...
 
+    def prompt_taken(self, prompt_end: int, backend_id: str) -> None: ...
+
     def unpin(self, backend_id: str, request: ClaimRequest) -> None: ...
 
     async def wait_prefilled(self, mark: str, timeout_s: float) -> tuple[str, str] | None: ...
@@ -279,7 +281,7 @@ class Placement:
 
     def answered(self) -> None:
         """The backend's answer began well: the prefix index learns where these blocks are."""
-        self._placer._picker.placed(self._key, self.backend_id)
+        self._placer._answered(self._key, self.backend_id)
 
     def first_byte(self) -> None:
         """The answer's first byte came: the prefix is cached there now, whoever waits for it may go."""
@@ -541,6 +543,13 @@ class Placer:
         elif outcome == "ready" and picker.ledgers is not None:
             shared.touch(request, moved.backend_id, picker.ledgers.capacity(moved.backend_id))
         return moved, claim
+
+    def _answered(self, key: RoutingKey, backend_id: str) -> None:
+        """An answer began well there: the picker learns it, and the shared store who took a prompt
+        too short to claim anything (the replica the next turn reaches follows it by that alone)."""
+        self._picker.placed(key, backend_id)
+        if self._shared is not None and self._picker.notes_prompt_end(key):
+            self._shared.prompt_taken(key.prompt_end, backend_id)
 
     def _forget_peers(self) -> None:
         """No answer from the store: what it said of the other replicas (their requests in flight,

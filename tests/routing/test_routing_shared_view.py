@@ -148,19 +148,20 @@ def test_the_answer_becomes_the_decision(
     "reply",
     [
         pytest.param(b"X\n1\n0\n-\n0", id="too-short"),
-        pytest.param(b"\n1\n0\n-\n0\n0\n-\nA\n-\n0\n1\n2\n3", id="no-backend"),
-        pytest.param(b"X\n1\n0\n\n0\n0\n-\nX\n-\n0\n1\n2\n3", id="no-mark-field"),
-        pytest.param(b"X\n1\n0\n-\n0\n0\n-\nX\n-\n0\nmany\n2\n3", id="not-a-number"),
-        pytest.param(b"X\n1\n0\n-\n0\n0\n-\nX\n-\n0\n1\n2\n3\nB", id="a-peer-without-a-count"),
-        pytest.param(b"X\n1\n0\n-\n0\n0\n-\nX\n-\n0\n1\n2\n3\nB\n-2", id="a-negative-peer-count"),
-        pytest.param(b"X\n1\n0\n-\n0\n0\n-\nX\n-\n0\n1\n2\n3\nB\nlots", id="a-peer-count-not-a-number"),
-        pytest.param(b"X\n1\n0\n-\n0\n0\n-\nX\n-\n0\n1\n2\n3\nheld \n5", id="bytes-held-on-no-backend"),
-        pytest.param(b"X\n1\n0\n-\n0\n0\n-\nX\n-\n0\n1\n2\n3\nheld B\n-5", id="bytes-held-below-0"),
-        pytest.param(b"X\n1\n1\n-\n0\n0\n01\nX\n-\n0\n1\n2\n3", id="holders-for-two-of-one-listed"),
-        pytest.param(b"X\n1\n1\n-\n0\n0\n2\nX\n-\n0\n1\n2\n3", id="holders-not-bits"),
-        pytest.param(b"X\n1\n0\n-\n0\n0\n-\n\n-\n0\n1\n2\n3", id="counted-nowhere"),
-        pytest.param(b"X\n1\n0\n-\n0\n0\n-\nX\n10\n0\n1\n2\n3", id="full-for-two-of-one-listed"),
-        pytest.param(b"X\n1\n0\n-\n0\n0\n-\nX\n-\nsome\n1\n2\n3", id="taken-not-a-number"),
+        pytest.param(b"\n1\n0\n-\n0\n0\n-\nA\n-\n0\n0\n1\n2\n3", id="no-backend"),
+        pytest.param(b"X\n1\n0\n\n0\n0\n-\nX\n-\n0\n0\n1\n2\n3", id="no-mark-field"),
+        pytest.param(b"X\n1\n0\n-\n0\n0\n-\nX\n-\n0\n0\nmany\n2\n3", id="not-a-number"),
+        pytest.param(b"X\n1\n0\n-\n0\n0\n-\nX\n-\n0\n0\n1\n2\n3\nB", id="a-peer-without-a-count"),
+        pytest.param(b"X\n1\n0\n-\n0\n0\n-\nX\n-\n0\n0\n1\n2\n3\nB\n-2", id="a-negative-peer-count"),
+        pytest.param(b"X\n1\n0\n-\n0\n0\n-\nX\n-\n0\n0\n1\n2\n3\nB\nlots", id="a-peer-count-not-a-number"),
+        pytest.param(b"X\n1\n0\n-\n0\n0\n-\nX\n-\n0\n0\n1\n2\n3\nheld \n5", id="bytes-held-on-no-backend"),
+        pytest.param(b"X\n1\n0\n-\n0\n0\n-\nX\n-\n0\n0\n1\n2\n3\nheld B\n-5", id="bytes-held-below-0"),
+        pytest.param(b"X\n1\n1\n-\n0\n0\n01\nX\n-\n0\n0\n1\n2\n3", id="holders-for-two-of-one-listed"),
+        pytest.param(b"X\n1\n1\n-\n0\n0\n2\nX\n-\n0\n0\n1\n2\n3", id="holders-not-bits"),
+        pytest.param(b"X\n1\n0\n-\n0\n0\n-\n\n-\n0\n0\n1\n2\n3", id="counted-nowhere"),
+        pytest.param(b"X\n1\n0\n-\n0\n0\n-\nX\n10\n0\n0\n1\n2\n3", id="full-for-two-of-one-listed"),
+        pytest.param(b"X\n1\n0\n-\n0\n0\n-\nX\n-\nsome\n0\n1\n2\n3", id="taken-not-a-number"),
+        pytest.param(b"X\n1\n0\n-\n0\n0\n-\nX\n-\n0\nyes\n1\n2\n3", id="turn-flag-not-a-bit"),
         pytest.param([b"X", 1, 0, "-", 0, 0, "-", "X", "-", 1, 2, 3], id="not-a-string"),
     ],
 )
@@ -170,24 +171,33 @@ def test_a_malformed_reply_is_refused(reply: object) -> None:
 
 
 def test_a_reply_parses() -> None:
-    parsed = parse_answer(b"http://x:1\n2\n1\n-\n0\n0\n-\nhttp://x:1\n-\n0\n300\n17\n3\n0\n-1\n0", ["A", "B"])
+    parsed = parse_answer(
+        b"http://x:1\n2\n1\n-\n0\n0\n-\nhttp://x:1\n-\n0\n0\n300\n17\n3\n0\n-1\n0", ["A", "B"]
+    )
     assert parsed == ClaimAnswer("http://x:1", 2, True, (("A", 300, 17, 3), ("B", 0, -1, 0)))
-    waiting = parse_answer(b"A\n2\n1\nr9:4\n1\n40\n-\nA\n-\n0\n300\n17\n3\nA\n5\nC\n1", ["A"])
+    waiting = parse_answer(b"A\n2\n1\nr9:4\n1\n40\n-\nA\n-\n0\n0\n300\n17\n3\nA\n5\nC\n1", ["A"])
     assert waiting == ClaimAnswer("A", 2, True, (("A", 300, 17, 3),), "r9:4", True, (("A", 5), ("C", 1)), 40)
     assert waiting.figures_before() == (("A", 260, 17, 3),)
-    spilled = parse_answer(b"A\n2\n1\n-\n0\n0\n011\nA\n-\n0\n0\n1\n1\n5\n6\n1\n7\n8\n1", ["A", "B", "C"])
+    spilled = parse_answer(b"A\n2\n1\n-\n0\n0\n011\nA\n-\n0\n0\n0\n1\n1\n5\n6\n1\n7\n8\n1", ["A", "B", "C"])
     assert spilled.holders == ("B", "C")
     assert spilled.counted_on == "A"
     counted_on_holder = parse_answer(
-        b"A\n2\n1\n-\n0\n0\n011\nB\n-\n0\n0\n1\n1\n5\n6\n1\n7\n8\n1", ["A", "B", "C"]
+        b"A\n2\n1\n-\n0\n0\n011\nB\n-\n0\n0\n0\n1\n1\n5\n6\n1\n7\n8\n1", ["A", "B", "C"]
     )
     assert (counted_on_holder.chosen, counted_on_holder.counted_on) == ("A", "B")
     assert counted_on_holder.full == frozenset()
-    with_held = parse_answer(b"A\n1\n0\n-\n0\n0\n-\nA\n-\n300\n0\n1\n1\nB\n2\nheld B\n700\nheld A\n5", ["A"])
+    with_held = parse_answer(
+        b"A\n1\n0\n-\n0\n0\n-\nA\n-\n300\n0\n0\n1\n1\nB\n2\nheld B\n700\nheld A\n5", ["A"]
+    )
     assert with_held.peers == (("B", 2),)
     assert with_held.peers_held == (("B", 700), ("A", 5))
     assert with_held.taken == 300
-    owner_full = parse_answer(b"A\n2\n1\n-\n0\n0\n011\nB\n101\n0\n0\n1\n1\n5\n6\n1\n7\n8\n1", ["A", "B", "C"])
+    owner_full = parse_answer(
+        b"A\n2\n1\n-\n0\n0\n011\nB\n101\n0\n0\n0\n1\n1\n5\n6\n1\n7\n8\n1", ["A", "B", "C"]
+    )
+    assert not owner_full.turn_taken
+    turn = parse_answer(b"B\n0\n0\n-\n0\n300\n-\nB\n-\n300\n1\n300\n5\n1", ["B"])
+    assert (turn.chosen, turn.turn_taken, turn.followed) == ("B", True, False)
     assert owner_full.full == {"A", "C"}
 
 
@@ -435,6 +445,15 @@ def test_a_first_placement_by_cache_room_lets_the_store_choose_among_the_walks_b
             LOCAL, answer("Y"), {"X", "Y"}, Decision("Y", Branch.CACHE_ROOM), None, id="elsewhere-stands"
         ),
         pytest.param(LOCAL, answer("X"), {"X", "Y"}, LOCAL, None, id="the-local-choice-stands"),
+        # Where another replica sent the conversation's previous turn, too short to claim anything.
+        pytest.param(
+            LOCAL,
+            ClaimAnswer("Y", 0, False, (), turn_taken=True),
+            {"X", "Y"},
+            Decision("Y", Branch.PREFIX_MATCH),
+            None,
+            id="the-previous-turns-taker",
+        ),
         # The fleet moved on since the claim: the local choice, and the blocks follow it.
         pytest.param(
             LOCAL, answer("Y"), {"X"}, LOCAL, Takeover("Y", "X", 0), id="the-stores-choice-now-full"
@@ -449,3 +468,54 @@ def test_a_first_placement_the_store_made_stands_where_the_backend_may_take_the_
 
     resolution = resolve(local, claimed, {"X", "Y", "Z"}, fitting.__contains__, repick, placed=True)
     assert (resolution.decision, resolution.takeover) == (decision, takeover)
+    assert resolution.decision.previous_turn == claimed.turn_taken
+
+
+SHORT_OPENED = ("Hi?", "An answer. " * 40, "More?")
+
+
+def _turns(first: str, reply: str, second: str) -> RoutingKey:
+    body = {
+        "model": "m",
+        "messages": [
+            {"role": "user", "content": first},
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": second},
+        ],
+    }
+    return extract_key("/v1/chat/completions", orjson.dumps(body), None, KeyConfig())
+
+
+@pytest.mark.parametrize(
+    ("turn", "first_placement", "local_branch", "carried"),
+    [
+        pytest.param(SHORT_OPENED, "cache_room", "cache_room", True, id="short-opened"),
+        # The previous prompt filled a block: its blocks are claimed, and their owner followed.
+        pytest.param(("q" * 600, "An answer. " * 40, "More?"), "cache_room", "cache_room", False, id="long"),
+        # Mostly new: the previous turn is a minor part of this one, placed anew.
+        pytest.param(("Hi?", "Ok.", "x" * 2000), "cache_room", "cache_room", False, id="mostly-new"),
+        # Not a first placement: the replica follows the taker it knows itself.
+        pytest.param(SHORT_OPENED, "cache_room", "prefix_match", False, id="local-follow"),
+        pytest.param(SHORT_OPENED, "ring", "cache_room", False, id="ring-placement"),
+    ],
+)
+def test_a_first_placement_carries_the_end_of_a_previous_prompt_too_short_to_claim(
+    turn: tuple[str, str, str], first_placement: str, local_branch: str, carried: bool
+) -> None:
+    ids = ["A", "B", "C"]
+    ring = HashRing([Member(i) for i in ids], 160)
+    picker = Picker(BalanceConfig(first_placement=FirstPlacement(first_placement)))
+    key = _turns(*turn)
+    assert key.blocks and key.previous_prompt_end
+    request = claim_request(
+        key, Decision("A", Branch(local_branch)), picker, ring, usable=Candidates.of(ids), load=LoadTracker()
+    )
+    assert request.previous_end == (key.previous_prompt_end if carried else 0)
+    first = extract_key(
+        "/v1/chat/completions",
+        orjson.dumps({"model": "m", "messages": [{"role": "user", "content": turn[0]}]}),
+        None,
+        KeyConfig(),
+    )
+    # Who takes a prompt is noted in the store where its next turn would look for it.
+    assert picker.notes_prompt_end(first) == (not first.blocks and first_placement == "cache_room")

@@ -26,9 +26,11 @@ def _system(family: int, chars: int) -> str:
     return (text * (chars // len(text) + 1))[:chars]
 
 
-async def _routers(router: Any, backends: list[Any], url: str, n: int = 3) -> list[RunningRouter]:
+async def _routers(
+    router: Any, backends: list[Any], url: str, n: int = 3, **routing_settings: Any
+) -> list[RunningRouter]:
     # A generous timeout: a loaded test machine must not turn a slow reply into a local decision.
-    routing = {"shared_state_url": url, "shared_state_timeout_s": 2.0}
+    routing = {"shared_state_url": url, "shared_state_timeout_s": 2.0, **routing_settings}
     routers = [await router(router_settings(backends, routing=routing)) for _ in range(n)]
     for r in routers:
         assert r.app.shared is not None
@@ -168,3 +170,23 @@ async def test_a_backend_one_router_cannot_use_hands_its_prefixes_to_where_that_
         if await _send(client, first, group(i)) == moved:
             break
         assert i < 50, "the first router never followed the take-over"
+
+
+async def test_chats_opened_by_a_short_question_stay_on_one_backend_across_routers(
+    fake_backends: Any, router: Any, client: httpx.AsyncClient, redis_server: RedisServer
+) -> None:
+    """No system prompt and a first question shorter than the key's first block: no block of it is
+    claimed in the store, only who took it is noted there. Each turn goes through another router than
+    the one before, and the turns of the other chats, interleaved, change what each cache holds."""
+    backends = await fake_backends(8)
+    routers = await _routers(router, backends, redis_server.url, kv_capacity_tokens=4096)
+    chats: list[list[dict[str, str]]] = [[] for _ in range(12)]
+    homes: list[list[str]] = [[] for _ in chats]
+    for turn in range(4):
+        for conv, messages in enumerate(chats):
+            messages.append({"role": "user", "content": f"Hi, question {turn} of chat {conv}?"})
+            homes[conv].append(await _send(client, routers[(conv + turn) % 3], messages))
+            messages.append({"role": "assistant", "content": f"Answer {turn} of chat {conv}. " * 20})
+    moved = {conv: seen for conv, seen in enumerate(homes) if len(set(seen)) > 1}
+    assert not moved, f"conversations moved between backends: {moved}"
+    assert len({seen[0] for seen in homes}) > 1  # they spread: agreement on one backend proves nothing

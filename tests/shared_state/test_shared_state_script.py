@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -778,3 +779,29 @@ async def test_a_requests_end_reaches_the_other_replicas_at_once(
     a.unpin(answer.chosen, request)
     await eventually_equal(lambda: _peers(b, [9]), {})
     await eventually_equal(lambda: pinned(raw, "X"), {})
+
+
+async def test_a_turn_after_a_prompt_too_short_to_claim_goes_to_whoever_took_that_prompt(
+    store: Any, raw: Redis
+) -> None:
+    """One replica notes who took a prompt that filled no block; another's first placement of the
+    next turn goes there while it may place there, else by room as before."""
+    caps = (1000.0, 1000.0, 1000.0)
+    a = await store(load=LoadTracker(), held=dict)
+    b = await store(load=LoadTracker(), held=dict)
+    await claimed(a, placing([1, 2], "X", "111", caps))  # X holds the most now: Y or Z are roomier
+    a.prompt_taken(4242, "X")
+    key = f"{NAMESPACE}t:4242"
+    await eventually_equal(lambda: raw.get(key), "X")
+    assert 0 < await raw.pttl(key) <= shared_state.PROMPT_TAKER_TTL_S * 1000
+    turn = dataclasses.replace(placing([5, 6], "Y", "111", caps), previous_end=4242)
+    followed = await claimed(b, turn)
+    assert (followed.chosen, followed.turn_taken, followed.followed) == ("X", True, False)
+    assert await raw.get(f"{NAMESPACE}o:5") == "X"  # its blocks are owned there: the next turn follows
+    # X is not one the replica may place on now: placed by room instead.
+    held_back = dataclasses.replace(placing([7, 8], "Y", "011", caps), previous_end=4242)
+    elsewhere = await claimed(b, held_back)
+    assert elsewhere.chosen != "X" and not elsewhere.turn_taken
+    # A prompt end nobody noted: placed by room.
+    unknown = dataclasses.replace(placing([9], "Y", "111", caps), previous_end=77)
+    assert not (await claimed(b, unknown)).turn_taken

@@ -3,11 +3,12 @@ pending prefills and requests in flight.
 
 One awaited round trip per request at most: an EVALSHA of the `claim` script (what it does:
 routing/shared_view.py), bounded by `routing.shared_state_timeout_s`. A take-over, when the router
-could not send to the shared owner, the end of a prefill this replica marked, and the prefix a request
-held for a prefill goes to (used now there) are written in the background and never awaited. When
-the store is slow or down the router routes from its own state: each failure is counted
-(`prefix_router_shared_state_errors_total{reason}`), `prefix_router_shared_state_up` drops to 0 with
-one log line, calls stop until a background ping gets an answer again, and one line says so.
+could not send to the shared owner, the end of a prefill this replica marked, the prefix a request
+held for a prefill goes to (used now there), and who took a prompt too short to claim are written in
+the background and never awaited. When the store is slow or down the router routes from its own state:
+each failure is counted (`prefix_router_shared_state_errors_total{reason}`),
+`prefix_router_shared_state_up` drops to 0 with one log line, calls stop until a background ping gets
+an answer again, and one line says so.
 
 Pending prefills: a claim marks the blocks its request prefills first (`p:<block>`, expiring after
 `prefill_wait_s`, so a dead replica's marks go); the replica that prefills deletes them at the first
@@ -29,12 +30,13 @@ receipt `pc:<replica>:<claim>` says where it pinned): it pins nothing if it runs
 if it ran.
 
 Keys, under NAMESPACE: `o:<block>` the block's owner; per backend `lru:<backend>` (a sorted set of
-blocks by the shared clock's reading of their last use), `size:<backend>` (bytes of each block);
-`used`, `count` and `cap` (hashes by backend: bytes placed, entries, capacity); `clock`; `p:<block>`,
-`e:<mark>` (a prefill said ended), `w:<mark>` (requests held for it, per replica), `ld:<replica>`,
-`cl:<replica>`, `replicas` as above; `pin:<backend>:<block>`, the requests in flight holding the block
-there, `pc:` and `x:` (pins, above). Scripts touch keys they derive, so the store must be one Redis
-(6.2 or later) or Valkey, not a cluster.
+blocks by the shared clock's reading of their last use), `size:<backend>` (bytes of each block); `used`,
+`count` and `cap` (hashes by backend: bytes placed, entries, capacity); `clock`; `p:<block>`, `e:<mark>`
+(a prefill said ended), `w:<mark>` (requests held for it, per replica), `ld:<replica>`, `cl:<replica>`,
+`replicas` as above; `t:<prompt end>` who took a prompt that filled no block (for its next turn,
+expiring after PROMPT_TAKER_TTL_S); `pin:<backend>:<block>`, the requests in flight holding the block
+there, `pc:` and `x:` (pins, above). Scripts touch keys they derive, so the store must be one Redis (6.2
+or later) or Valkey, not a cluster.
 """
 
 from __future__ import annotations
@@ -78,6 +80,9 @@ PIN_TTL_S = 300.0
 # claim (timed out) says so for as long: one that runs after that pins nothing, one that ran before
 # is unpinned. A give-up later than this leaves the claim's pins to PIN_TTL_S.
 CLAIM_RECEIPT_TTL_S = 10.0
+# Who took a prompt that filled no block of the key, noted by the prompt's end for the next turn: a
+# conversation back after longer is placed anew, as its cache has likely turned over by then.
+PROMPT_TAKER_TTL_S = 600.0
 BACKGROUND_TIMEOUT_S = 1.0  # at least, for calls no request waits on: a slow store may still take them
 # The subscription quiet this long is pinged, and lost when the next quiet spell brings no answer: a
 # connection that died without a word (a partition, a peer gone without a reset) would stay quiet,
@@ -266,24 +271,25 @@ local function peer_loads(me)
 end
 """
 
-# ARGV: namespace, proposed backend, its capacity (bytes), max entries, follow table, the blocks,
-# their sizes, the listed backends, the request's mark ('' none), wait ('1': report a pending prefill),
-# marks' lifetime (ms), this replica, its in-flight pairs (with pairs of 'held <backend>' and the bytes
-# its requests in flight hold there), their lifetime (ms), the follow limit ('0': none), its other
-# claims awaiting their answer (pairs of claim id and backend proposed), this claim's id, the pins'
-# lifetime (ms; '': the request's blocks are not pinned on the chosen backend), the lifetime of the
-# receipt of where they were pinned and of a give-up (ms, GIVE_UP_SCRIPT), the listed backends a first
-# placement may go to ('0'/'1' each; '': the proposed backend stands) and their capacities. The reply is
-# one newline-joined string: chosen, depth, followed, the mark to wait for ('-' none), marked, the
-# bytes this claim added to the chosen backend's footprint, which listed backends also hold the prefix
-# followed (one '0' or '1' each; '-' when none was followed), the backend the request is counted on,
-# which listed backends the fleet's counts put at the follow limit (bits again; '-' without a limit),
-# the bytes the request takes there (held for it); bytes used, oldest use and entries of each listed
-# backend; then backend and count pairs of the others' in-flight requests, and 'held <backend>' and the
-# bytes those hold there. The replica's own counts are written with its request counted on the chosen
-# backend, or, when that owner is at the follow limit, on the first holder under it: where the replica
-# will send it (routing/shared_view.py, `resolve`), so that the claims other replicas make before this
-# one's next write see it there.
+# ARGV: namespace, proposed backend, its capacity (bytes), max entries, follow table, the blocks, their
+# sizes, the listed backends, the request's mark ('' none), wait ('1': report a pending prefill), marks'
+# lifetime (ms), this replica, its in-flight pairs (with pairs of 'held <backend>' and the bytes its
+# requests in flight hold there), their lifetime (ms), the follow limit ('0': none), its other claims
+# awaiting their answer (pairs of claim id and backend proposed), this claim's id, the pins' lifetime (ms;
+# '': the request's blocks are not pinned on the chosen backend), the lifetime of the receipt of where they
+# were pinned and of a give-up (ms, GIVE_UP_SCRIPT), the listed backends a first placement may go to
+# ('0'/'1' each; '': the proposed backend stands) and their capacities, the end of the previous turn's
+# prompt whose taker a first placement follows ('': none). The reply is one newline-joined string: chosen,
+# depth, followed, the mark to wait for ('-' none), marked, the bytes this claim added to the chosen
+# backend's footprint, which listed backends also hold the prefix followed (one '0' or '1' each; '-' when
+# none was followed), the backend the request is counted on, which listed backends the fleet's counts put at
+# the follow limit (bits again; '-' without a limit), the bytes the request takes there (held for it), '1'
+# if it went to the previous turn's taker; bytes used, oldest use and entries of each listed backend; then
+# backend and count pairs of the others' in-flight requests, and 'held <backend>' and the bytes those hold
+# there. The replica's own counts are written with its request counted on the chosen backend, or, when that
+# owner is at the follow limit, on the first holder under it: where the replica will send it
+# (routing/shared_view.py, `resolve`), so that the claims other replicas make before this one's next write
+# see it there.
 CLAIM_SCRIPT = (
     _RECORD
     + f"local FULL_SHARE = {FULL_SHARE!r}\n"
@@ -320,8 +326,23 @@ local sums, peer_order = peer_loads(me)
 -- request. Made after the replica's pick, two replicas placing new prompts in the same instant
 -- would both take the one backend with room as each saw it before the other's claim.
 local room = ARGV[20] or ''
-if followed == 0 and room ~= '' then
-  local caps = split(ARGV[21])
+local caps = room ~= '' and split(ARGV[21]) or {}
+-- A turn whose previous prompt filled no block claimed nothing of it: that prompt's end names who took
+-- it (`t:<end>`, written when its answer began), and the turn goes there while the replica may place
+-- on it, as one router follows its own note of it.
+local turn_taken = 0
+local previous = ARGV[22] or ''
+if followed == 0 and room ~= '' and previous ~= '' then
+  local taker = redis.call('GET', ns .. 't:' .. previous)
+  for j = 1, m do
+    if taker and listed[j] == taker and string.sub(room, j, j) == '1' then
+      chosen, turn_taken = taker, 1
+      redis.call('HSET', ns .. 'cap', chosen, caps[j])
+      break
+    end
+  end
+end
+if followed == 0 and room ~= '' and turn_taken == 0 then
   local size = 0
   for i = 1, n do size = size + tonumber(sizes[i]) end
   local best, best_cap, best_a, best_v = nil, nil, nil, nil
@@ -432,7 +453,7 @@ write_load(me, as_pairs(mine, order), load_ttl)
 kept[#kept + 1] = claim_id
 kept[#kept + 1] = counted_on
 keep_flight(me, kept, load_ttl)
-local reply = {chosen, depth, followed, wait_for, marked, added, holders, counted_on, full, taken}
+local reply = {chosen, depth, followed, wait_for, marked, added, holders, counted_on, full, taken, turn_taken}
 if m > 0 then
   local used = redis.call('HMGET', ns .. 'used', unpack(listed))
   local counts = redis.call('HMGET', ns .. 'count', unpack(listed))
@@ -581,6 +602,12 @@ return 1
 """
 )
 
+# ARGV: namespace, a prompt's end, the backend that took it, the note's lifetime (ms).
+TAKER_SCRIPT = """
+redis.call('SET', ARGV[1] .. 't:' .. ARGV[2], ARGV[3], 'PX', ARGV[4])
+return 1
+"""
+
 # ARGV: namespace, this replica, its in-flight pairs, their lifetime (ms), its claims awaiting their
 # answer (pairs of claim id and backend proposed), the last claim id it issued.
 LOAD_SCRIPT = (
@@ -670,6 +697,7 @@ class SharedPlacement:
         self._load_ttl_ms = str(max(1, round(load_ttl_s * 1000)))
         self._pin_ttl_ms = str(max(1, round(pin_ttl_s * 1000))) if pin_ttl_s > 0 else ""
         self._receipt_ttl_ms = str(max(1, round(receipt_ttl_s * 1000)))
+        self._taker_ttl_ms = str(max(1, round(PROMPT_TAKER_TTL_S * 1000)))
         # Requests ended whose pins the store has not let go of yet, and the backend they are on.
         self._unpins: list[tuple[str, ClaimRequest]] = []
         self._batching = False  # the background loop sends them, every LOAD_FLUSH_S
@@ -705,6 +733,7 @@ class SharedPlacement:
         self._touch = self._redis.register_script(TOUCH_SCRIPT)
         self._unpin = self._redis.register_script(UNPIN_SCRIPT)
         self._give_up = self._redis.register_script(GIVE_UP_SCRIPT)
+        self._taker = self._redis.register_script(TAKER_SCRIPT)
         self._scripts = (
             self._claim,
             self._takeover,
@@ -713,6 +742,7 @@ class SharedPlacement:
             self._touch,
             self._unpin,
             self._give_up,
+            self._taker,
         )
         self._up = False
         self._timeouts = 0
@@ -835,6 +865,7 @@ class SharedPlacement:
             self._receipt_ttl_ms,
             request.room,
             _lines(int(c) for c in request.capacities),
+            request.previous_end or "",
         ]
         answer: ClaimAnswer | None = None
         try:
@@ -926,6 +957,14 @@ class SharedPlacement:
         ended, self._unpins = self._unpins, []
         if self._up:
             self._background(self._unpin, [self._namespace, *_unpin_groups(ended)])
+
+    def prompt_taken(self, prompt_end: int, backend_id: str) -> None:
+        """A prompt that filled no block (it claimed nothing) is being answered by `backend_id`: noted
+        by its end, so that the replica the next turn reaches sends it there (background, at once: the
+        next turn may come as soon as this answer ends)."""
+        if self._up:
+            args: list[str | int] = [self._namespace, prompt_end, backend_id, self._taker_ttl_ms]
+            self._background(self._taker, args)
 
     def prefilled(self, mark: str, request: ClaimRequest, backend_id: str) -> None:
         """The prefill under `mark` on `backend_id` ended: its marks go and the replicas hear it

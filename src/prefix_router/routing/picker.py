@@ -26,7 +26,7 @@ from prefix_router.routing.load import (
 )
 from prefix_router.routing.policies import Policy as RoutingPolicy
 from prefix_router.routing.policies.baseline import LeastLoadedPolicy, RandomPolicy, RoundRobinPolicy
-from prefix_router.routing.policies.prefix import ROOM_CHOICES, PrefixPolicy, covers
+from prefix_router.routing.policies.prefix import ROOM_CHOICES, PrefixPolicy, covers, follows_previous_end
 from prefix_router.routing.preamble_heat import PreambleHeat
 from prefix_router.routing.prefill import PendingPrefills
 from prefix_router.routing.prefix_index import PrefixIndex
@@ -158,6 +158,19 @@ class Picker:
     def covers(self, key: RoutingKey, known_blocks: int) -> bool:
         """Is a prefix of `known_blocks` blocks enough of this request to follow its owners?"""
         return covers(key, known_blocks, self._config.follow_threshold)
+
+    def previous_end_followed(self, key: RoutingKey) -> int:
+        """The previous turn's prompt end, when this turn follows whoever took that prompt by its end
+        alone (the prompt filled no block; policies/prefix.py), placing by cache room; else 0. Such a
+        prompt claims nothing in the shared store: who took it is noted there by its end
+        (`notes_prompt_end`), for the replica that gets the next turn."""
+        if self._ledgers is None or self._by_ring:
+            return 0
+        return key.previous_prompt_end if follows_previous_end(key, self._config.follow_threshold) else 0
+
+    def notes_prompt_end(self, key: RoutingKey) -> bool:
+        """Is who takes this request's prompt noted by its end alone (`previous_end_followed`)?"""
+        return self._ledgers is not None and not self._by_ring and not key.blocks and bool(key.prompt_end)
 
     @property
     def counts_preambles(self) -> bool:

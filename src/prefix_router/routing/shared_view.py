@@ -48,6 +48,9 @@ class ClaimRequest:
     # replica may place on now ('': the proposed backend stands), and each listed one's KV capacity.
     room: str = ""
     capacities: tuple[float, ...] = ()
+    # With `room`: the previous turn's prompt end, when that prompt filled no block (nothing of it was
+    # claimed) and this turn follows whoever took it (Picker.previous_end_followed); 0: none.
+    previous_end: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +72,8 @@ class ClaimAnswer:
     # Bytes of KV room the request takes where it is counted: its blocks no request in flight held
     # there (the store's pins), counted as this replica's held bytes until its next write.
     taken: int = 0
+    # The first placement went to the backend that took the previous turn (`previous_end`).
+    turn_taken: bool = False
 
     def __post_init__(self) -> None:
         if not self.counted_on:
@@ -124,7 +129,7 @@ def claim_request(
     ledgers = picker.ledgers
     capacity = ledgers.capacity(local.backend_id) if ledgers is not None else float(1 << 40)
     listed = tuple(itertools.islice(ring.walk(key.ring_hash), ROOM_CHOICES))
-    room, capacities = "", tuple[float, ...]()
+    room, capacities, previous_end = "", tuple[float, ...](), 0
     if (
         usable is not None
         and load is not None
@@ -134,6 +139,7 @@ def claim_request(
     ):
         room = "".join("1" if ok else "0" for ok in picker.may_place(listed, usable, load))
         capacities = tuple(ledgers.capacity(b) for b in listed)
+        previous_end = picker.previous_end_followed(key)
     return ClaimRequest(
         blocks,
         block_sizes(key.ends)[: len(blocks)],
@@ -146,6 +152,7 @@ def claim_request(
         int(limit) if math.isfinite(limit := picker.follow_limit) else 0,
         room if "1" in room else "",
         capacities if "1" in room else (),
+        previous_end if "1" in room else 0,
     )
 
 
@@ -184,6 +191,11 @@ def resolve(
     chosen = answer.chosen
     mine = local.backend_id
     if placed and not answer.followed and chosen in usable and may_follow(chosen):
+        if answer.turn_taken:
+            # Where the conversation's previous turn went, which another replica placed.
+            turn = Decision(chosen, Branch.PREFIX_MATCH)
+            turn.previous_turn = True
+            return Resolution(turn, None, answer.wait_for)
         if chosen == mine:
             return Resolution(local, None, answer.wait_for)
         return Resolution(Decision(chosen, Branch.CACHE_ROOM), None, answer.wait_for)
@@ -268,7 +280,8 @@ def parse_answer(reply: object, listed: Sequence[str]) -> ClaimAnswer:
     for (NO_MARK: none), marked, bytes added to the chosen backend's footprint, the listed backends
     that hold the prefix followed ('0'/'1' each, NO_MARK: none followed), the backend the request was
     counted on, the listed backends at the follow limit (bits as the holders', NO_MARK: no limit),
-    the bytes the request takes there; bytes used, oldest use and entries of each listed backend;
+    the bytes the request takes there, whether it went to the previous turn's taker ('0'/'1');
+    bytes used, oldest use and entries of each listed backend;
     then pairs of backend and the other replicas' requests in flight there, or of HELD and the
     backend's name and the bytes they hold there. Raises ValueError when it is not that shape."""
     if isinstance(reply, bytes):
@@ -276,13 +289,15 @@ def parse_answer(reply: object, listed: Sequence[str]) -> ClaimAnswer:
     if not isinstance(reply, str):
         raise ValueError(f"claim reply is {type(reply).__name__}, not a string")
     items = reply.split("\n")
-    head = 10 + 3 * len(listed)
+    head = 11 + 3 * len(listed)
     if len(items) < head or (len(items) - head) % 2 or not items[0] or not items[3] or not items[7]:
         raise ValueError(f"claim reply has {len(items)} items for {len(listed)} backends")
     # int() raises ValueError on anything but a number
     depth, followed, marked, added = int(items[1]), int(items[2]), int(items[4]), int(items[5])
     taken = int(items[9])
-    numbers = [int(item) for item in items[10:head]]
+    if items[10] not in ("0", "1"):
+        raise ValueError(f"claim reply's previous-turn flag is {items[10]!r}")
+    numbers = [int(item) for item in items[11:head]]
     holders = _listed_by_bits(items[6], listed, "holders")
     full = frozenset(_listed_by_bits(items[8], listed, "full backends"))
     figures = tuple(
@@ -297,7 +312,7 @@ def parse_answer(reply: object, listed: Sequence[str]) -> ClaimAnswer:
     wait_for = "" if items[3] == NO_MARK else items[3]
     return ClaimAnswer(
         items[0], depth, followed == 1, figures, wait_for, marked == 1, peers, added, holders, items[7], full,
-        peers_held, taken,
+        peers_held, taken, items[10] == "1",
     )  # fmt: skip
 
 

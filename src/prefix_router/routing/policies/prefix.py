@@ -80,6 +80,12 @@ def _filled_no_block(key: RoutingKey) -> bool:
     return bool(key.ends) and key.reply[0] < key.ends[0]
 
 
+def follows_previous_end(key: RoutingKey, threshold: float) -> bool:
+    """Does this turn go by its previous prompt's end alone: that prompt filled no block, and it and
+    its reply make up `threshold` of the request? Then the backend that took it is followed, if it fits."""
+    return bool(key.previous_prompt_end) and _filled_no_block(key) and key.reply[1] >= threshold * key.size
+
+
 def covers_ring_key(key: RoutingKey, known_blocks: int, threshold: float) -> bool:
     """`covers`, for first placements by the ring: and do the known blocks reach the ring key's end?
 
@@ -171,15 +177,10 @@ class PrefixPolicy:
         def may_follow(backend: str) -> bool:
             return load_of(backend) + 1 <= follow_limit
 
-        if self._by_room and key.previous_prompt_end and _filled_no_block(key):
+        if self._by_room and follows_previous_end(key, self._threshold):
             assert self._index is not None
             taker = self._index.prompt_taker(key.previous_prompt_end)
-            if (
-                taker is not None
-                and taker in usable_set
-                and key.reply[1] >= self._threshold * key.size
-                and fits(taker)
-            ):
+            if taker is not None and taker in usable_set and fits(taker):
                 short_turn = Decision(taker, _PREFIX_MATCH)
                 short_turn.previous_turn = True
                 return short_turn
