@@ -432,6 +432,43 @@ def test_only_chat_keys_carry_prompt_ends() -> None:
     assert (native.prompt_end, completion.prompt_end) == (0, 0)
 
 
+@pytest.mark.parametrize(
+    ("system_chars", "question_chars", "own"),
+    [
+        # 1,600 + 8 bytes of system message: blocks end at 256, 512, 1024, 1536; the question's whole
+        # message (its separator and role too) lies past 1,536.
+        pytest.param(1600, 100, "message", id="a-question-past-the-last-block"),
+        # 1,200 + 8: the question's message starts at 1,208 and the last block ends at 1,536 inside
+        # it: only what lies past the block is its own tail.
+        pytest.param(1200, 500, "past-block", id="a-question-across-the-last-block-end"),
+        # 1,528 + 8 = 1,536: the system message ends exactly at the last block's end.
+        pytest.param(1528, 60, "message", id="a-question-right-after-a-block"),
+        pytest.param(0, 40, "message", id="no-system-prompt-no-block"),
+    ],
+)
+def test_a_chats_own_tail_is_its_last_message_past_the_last_block(
+    system_chars: int, question_chars: int, own: str
+) -> None:
+    """The engine caches a prompt's last, unshared message too; the ledgers count it (own_tail)."""
+    question = "q" * question_chars
+    messages = [("system", "s" * system_chars)] if system_chars else []
+    k = key(CHAT, chat(*messages, ("user", question)))
+    covered = k.ends[len(k.blocks) - 1] if k.blocks else 0
+    message = len(ROLE_MARK["user"]) + question_chars
+    assert k.own_tail == (message if own == "message" else k.size - covered)
+    assert 0 < k.own_tail <= k.size - covered
+
+
+def test_a_prompt_that_ends_on_a_block_end_has_no_own_tail() -> None:
+    k = key(CHAT, chat(("system", "s" * 1000), ("user", "q" * (1536 - 1008 - 6))))
+    assert k.size == 1536 and k.own_tail == 0
+
+
+def test_only_chat_keys_have_an_own_tail() -> None:
+    assert key("/v1/completions", {"model": "m", "prompt": "hello " * 100}).own_tail == 0
+    assert key("/generate", {"text": "hello " * 100}).own_tail == 0
+
+
 def _common_prefix_len(a: bytes, b: bytes) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):

@@ -320,6 +320,64 @@ def test_an_owner_whose_cache_turned_over_is_no_longer_followed() -> None:
     assert ledgers.ledger(owner).used_bytes <= 3 * first_key.size
 
 
+def test_short_questions_behind_one_cached_prompt_fill_their_backends_ledger() -> None:
+    """Every request behind a hot system prompt adds its own question to the engine's cache, whose
+    blocks few or none of the key's cover: a backend taking many of them turns its cache over. A new
+    prefix then goes to the backend holding one other prompt, not to the one whose blocks are few."""
+    ring, cands = fleet(2)
+    hot_home, other = cands.ids
+    picker = Picker(BalanceConfig())
+    for backend in cands.ids:
+        picker.set_capacity(backend, 6000)
+    hot = text(1, 1528)  # its message ends where the key's fourth block does, at 1,536 bytes
+    for q in range(25):
+        question = chat(("system", hot), ("user", f"Question {q}: " + text(200 + q, 150)))
+        assert question.ends[len(question.blocks) - 1] == 1536 and question.own_tail > 0
+        picker.chosen(question, hot_home)
+        picker.placed(question, hot_home)
+        picker.ended(question, hot_home)
+    place_on = chat(("system", text(2, 2500)), ("user", "q"))
+    picker.chosen(place_on, other)
+    picker.ended(place_on, other)
+    ledgers = picker.ledgers
+    assert ledgers is not None
+    # The blocks alone, the system prompt's, are fewer bytes than the other backend's prompt.
+    assert sum(block_sizes(question.ends)[: len(question.blocks)]) < place_on.size
+    assert ledgers.rank(other) < ledgers.rank(hot_home)
+    decision = picker.pick(chat(("system", text(3, 2500)), ("user", "q")), ring, cands, LoadTracker())
+    assert decision is not None and decision.branch is Branch.CACHE_ROOM
+    assert decision.backend_id == other
+
+
+def test_a_turns_own_tail_is_not_counted_again_once_the_next_turn_covers_it() -> None:
+    """Turn k's last message is turn k+1's history: the ledger holds it once, in turn k+1's entries."""
+    picker = Picker(BalanceConfig())
+    home = "http://10.1.0.1:8000"
+    picker.set_capacity(home, 1_000_000)
+    system = ("system", text(5, 1200))
+    first = chat(system, ("user", text(6, 400)))
+    second = chat(system, ("user", text(6, 400)), ("assistant", text(7, 300)), ("user", "And then?"))
+    assert first.own_tail and second.previous_prompt_end == first.prompt_end
+    ledgers = picker.ledgers
+    assert ledgers is not None
+    for turn in (first, second):
+        picker.chosen(turn, home)
+        picker.ended(turn, home)
+    covered = sum(block_sizes(second.ends)[: len(second.blocks)])
+    assert ledgers.ledger(home).used_bytes == covered + second.own_tail
+    assert first.prompt_end not in ledgers.ledger(home)
+
+
+def test_a_tail_a_request_in_flight_holds_is_not_dropped() -> None:
+    ledger = BackendLedger(10_000, 100)
+    ledger.hold((1, 2), (256, 40))
+    ledger.drop(2)
+    assert 2 in ledger and ledger.used_bytes == 296
+    ledger.let_go((1, 2), clock=1)
+    ledger.drop(2)
+    assert 2 not in ledger and ledger.used_bytes == 256
+
+
 def test_a_full_ledger_ranks_by_how_long_it_keeps_things() -> None:
     ledgers = FootprintLedgers(max_entries=100)
     for backend in ("a", "b"):

@@ -132,6 +132,13 @@ class BackendLedger:
                 self._held_bytes -= entry[0]
                 entries[block] = (entry[0], clock)
 
+    def drop(self, block: int) -> None:
+        """The entry no longer stands for bytes of its own (a later entry covers them); one that a
+        request in flight holds stays until it is let go."""
+        entry = self._blocks.pop(block, None)
+        if entry is not None:
+            self._used -= entry[0]
+
     def set_capacity(self, capacity_bytes: float) -> list[int]:
         self._capacity = capacity_bytes
         return self._shrink()
@@ -237,6 +244,13 @@ class FootprintLedgers:
         if evicted:
             self._evicted(evicted, backend_id)
         self._rerank(backend_id)
+
+    def drop(self, backend_id: str, block: int) -> None:
+        """See BackendLedger.drop; nothing is evicted, so no owner is forgotten."""
+        ledger = self._ledgers.get(backend_id)
+        if ledger is not None and block in ledger:
+            ledger.drop(block)
+            self._rerank(backend_id)
 
     def set_peers_held(self, figures: Iterable[tuple[str, int]]) -> None:
         """The bytes the other replicas' requests in flight hold per backend (shared placement

@@ -39,6 +39,18 @@ __all__ = ["LEDGER_ENTRIES", "ROOM_CHOICES", "Branch", "Candidates", "Decision",
 LEDGER_ENTRIES = 50_000
 
 
+def footprint_of(key: RoutingKey) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """What the request leaves in its backend's cache, as ledger entries and their bytes: its blocks,
+    then its own tail under the prompt's end (RoutingKey.own_tail), which identical prompts share.
+    Only for a request with blocks: a prompt that fills none stays out of the ledgers, so while only
+    such prompts have been placed the ledgers stay even, and the ring keeps each one on one backend."""
+    blocks = key.blocks
+    sizes = block_sizes(key.ends)[: len(blocks)]
+    if key.own_tail and key.prompt_end:
+        return (*blocks, key.prompt_end), (*sizes, key.own_tail)
+    return blocks, sizes
+
+
 class Picker:
     """Holds what a policy remembers between requests (index, ledgers, pending prefills) and the
     policy; no I/O."""
@@ -227,15 +239,19 @@ class Picker:
         spreads as it arrives, and a backend that fails every request fills its ledger like any other
         instead of always looking the roomiest. Held until `ended`: the caller calls it once for
         each `chosen`."""
-        if self._ledgers is not None and key.blocks:
-            blocks = key.blocks
-            self._ledgers.hold(backend_id, blocks, block_sizes(key.ends)[: len(blocks)])
+        ledgers = self._ledgers
+        if ledgers is not None and key.blocks:
+            blocks, sizes = footprint_of(key)
+            ledgers.hold(backend_id, blocks, sizes)
+            if key.previous_prompt_end:
+                # The previous turn's own tail is in this turn's blocks now: not twice.
+                ledgers.drop(backend_id, key.previous_prompt_end)
 
     def ended(self, key: RoutingKey, backend_id: str) -> None:
         """The request `chosen` sent there has ended, however: its blocks are no longer pinned there
         and age from now on, as the engine frees them (routing/footprint.py)."""
         if self._ledgers is not None and key.blocks:
-            self._ledgers.let_go(backend_id, key.blocks)
+            self._ledgers.let_go(backend_id, footprint_of(key)[0])
 
     def placed(self, key: RoutingKey, backend_id: str) -> None:
         """Learn from a placement that reached the backend (its answer began well). The prompt's end
