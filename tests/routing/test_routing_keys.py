@@ -459,6 +459,26 @@ def test_a_chats_own_tail_is_its_last_message_past_the_last_block(
     assert 0 < k.own_tail <= k.size - covered
 
 
+@settings(max_examples=300)
+@given(
+    messages=st.lists(
+        st.tuples(st.sampled_from(["system", "user", "assistant"]), st.text(max_size=700)),
+        min_size=1,
+        max_size=5,
+    )
+)
+def test_an_own_tail_is_the_last_messages_bytes_past_the_last_block(messages: list[tuple[str, str]]) -> None:
+    k = key(CHAT, chat(*messages))
+    covered = k.ends[len(k.blocks) - 1] if k.blocks else 0
+    role, content = messages[-1]
+    last_message = len((ROLE_MARK[role] + content).encode("utf-8", "surrogatepass"))
+    # Never more than the uncovered bytes nor than the last message (content with a separator of its
+    # own counts only past it); all the uncovered bytes when the last message starts before them.
+    assert 0 <= k.own_tail <= min(k.size - covered, last_message)
+    if "\x1e" not in content:
+        assert k.own_tail == min(k.size - covered, last_message)
+
+
 def test_a_prompt_that_ends_on_a_block_end_has_no_own_tail() -> None:
     k = key(CHAT, chat(("system", "s" * 1000), ("user", "q" * (1536 - 1008 - 6))))
     assert k.size == 1536 and k.own_tail == 0
