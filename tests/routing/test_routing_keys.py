@@ -467,16 +467,25 @@ def test_a_chats_own_tail_is_its_last_message_past_the_last_block(
         max_size=5,
     )
 )
-def test_an_own_tail_is_the_last_messages_bytes_past_the_last_block(messages: list[tuple[str, str]]) -> None:
+def test_an_own_tail_is_what_lies_past_the_blocks_from_the_last_reply_or_message_on(
+    messages: list[tuple[str, str]],
+) -> None:
     k = key(CHAT, chat(*messages))
+    parts = [(ROLE_MARK[role] + content).encode("utf-8", "surrogatepass") for role, content in messages]
+    starts = [sum(len(p) for p in parts[:i]) for i in range(len(parts))]
+    assert k.size == sum(len(p) for p in parts)
     covered = k.ends[len(k.blocks) - 1] if k.blocks else 0
-    role, content = messages[-1]
-    last_message = len((ROLE_MARK[role] + content).encode("utf-8", "surrogatepass"))
-    # Never more than the uncovered bytes nor than the last message (content with a separator of its
-    # own counts only past it); all the uncovered bytes when the last message starts before them.
-    assert 0 <= k.own_tail <= min(k.size - covered, last_message)
-    if "\x1e" not in content:
-        assert k.own_tail == min(k.size - covered, last_message)
+    replies = [i for i, (role, _) in enumerate(messages) if role == "assistant"]
+    if replies:
+        # From the last reply on: the previous turn's prompt ended there.
+        if not any(ROLE_MARK["assistant"] in content for _, content in messages):
+            assert k.own_tail == k.size - max(covered, starts[replies[-1]])
+    else:
+        # The last message; a separator in its content only makes it shorter.
+        whole = k.size - max(covered, starts[-1])
+        assert 0 <= k.own_tail <= whole
+        if "\x1e" not in messages[-1][1]:
+            assert k.own_tail == whole
 
 
 def test_a_prompt_that_ends_on_a_block_end_has_no_own_tail() -> None:

@@ -349,23 +349,34 @@ def test_short_questions_behind_one_cached_prompt_fill_their_backends_ledger() -
     assert decision.backend_id == other
 
 
-def test_a_turns_own_tail_is_not_counted_again_once_the_next_turn_covers_it() -> None:
-    """Turn k's last message is turn k+1's history: the ledger holds it once, in turn k+1's entries."""
+@pytest.mark.parametrize(
+    ("reply_chars", "blocks_reach_the_first_prompt"),
+    [
+        pytest.param(300, False, id="the-next-turns-blocks-end-short-of-the-first-prompt"),
+        pytest.param(1200, True, id="the-next-turns-blocks-take-the-first-prompt-over"),
+    ],
+)
+def test_a_conversation_is_counted_once_in_its_backends_ledger(
+    reply_chars: int, blocks_reach_the_first_prompt: bool
+) -> None:
+    """Turn k+1 holds turn k's prompt, reply and a new question. The ledger counts every byte of it
+    once: turn k's tail stays its own entry while turn k+1's blocks end short of it (turn k+1's tail
+    then starts where turn k's prompt ended), and is dropped once they take it over."""
     picker = Picker(BalanceConfig())
     home = "http://10.1.0.1:8000"
     picker.set_capacity(home, 1_000_000)
-    system = ("system", text(5, 1200))
-    first = chat(system, ("user", text(6, 400)))
-    second = chat(system, ("user", text(6, 400)), ("assistant", text(7, 300)), ("user", "And then?"))
+    system, question = ("system", text(5, 1200)), ("user", text(6, 400))
+    first = chat(system, question)
+    second = chat(system, question, ("assistant", text(7, reply_chars)), ("user", "And then?"))
     assert first.own_tail and second.previous_prompt_end == first.prompt_end
+    assert (second.ends[len(second.blocks) - 1] >= first.size) is blocks_reach_the_first_prompt
     ledgers = picker.ledgers
     assert ledgers is not None
     for turn in (first, second):
         picker.chosen(turn, home)
         picker.ended(turn, home)
-    covered = sum(block_sizes(second.ends)[: len(second.blocks)])
-    assert ledgers.ledger(home).used_bytes == covered + second.own_tail
-    assert first.prompt_end not in ledgers.ledger(home)
+    assert ledgers.ledger(home).used_bytes == second.size
+    assert (first.prompt_end in ledgers.ledger(home)) is not blocks_reach_the_first_prompt
 
 
 def test_a_tail_a_request_in_flight_holds_is_not_dropped() -> None:

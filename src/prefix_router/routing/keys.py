@@ -71,10 +71,11 @@ class RoutingKey:
     # however little of it filled a block of its own.
     prompt_end: int = field(default=0, compare=False)
     previous_prompt_end: int = field(default=0, compare=False)
-    # Chat only: bytes at the end of the key material that no block covers and that belong to the last
-    # message (the new question, in most requests). No other request shares them, yet the engine
-    # caches them: a backend taking many short questions behind one cached system prompt turns its
-    # cache over though its blocks stay few (routing/footprint.py counts them, under prompt_end).
+    # Chat only: bytes at the end of the key material that no block covers and that are this request's
+    # own: its last message (the new question, in most requests) and, in a later turn, the last reply
+    # before it too. No other request shares them, yet the engine caches them: a backend taking many
+    # short questions behind one cached system prompt turns its cache over though its blocks stay few
+    # (routing/footprint.py counts them, under prompt_end).
     own_tail: int = field(default=0, compare=False)
     # With `cold_preamble_share` (0: none): the ring position of the preamble alone and the bytes it
     # covers, for the picker to place by while that preamble is cold (Picker.settle_key).
@@ -163,7 +164,7 @@ def extract_key(path: str, body: bytes, tenant: str | None, config: KeyConfig) -
             if "messages" in doc:
                 full, ends, root = encoded[: config.max_key_bytes], key.ends, _key_root(tenant, model)
                 key.prompt_end = prompt_end_hash(root, full, ends, key.blocks, len(full))
-                key.own_tail = own_tail_bytes(full, ends[len(key.blocks) - 1] if key.blocks else 0)
+                key.own_tail = own_tail_bytes(full, ends[len(key.blocks) - 1] if key.blocks else 0, reply)
                 if reply[1]:
                     key.previous_prompt_end = prompt_end_hash(root, full, ends, key.blocks, reply[0])
             return key
@@ -258,9 +259,13 @@ def _reply_span(text: str, encoded: bytes, limit: int) -> tuple[int, int]:
     )
 
 
-def own_tail_bytes(full: bytes, covered: int) -> int:
-    """Bytes of `full` past `covered` (where its last block ends) that its last message holds: the
-    message separator is one byte, never inside a UTF-8 sequence, so bytes are searched directly."""
+def own_tail_bytes(full: bytes, covered: int, reply: tuple[int, int]) -> int:
+    """Bytes of `full` past `covered` (where its last block ends) from the last reply on (the previous
+    turn's prompt ended there: its own tail counted up to it), or with no reply, those of the last
+    message: the message separator is one byte, never inside a UTF-8 sequence, so bytes are searched
+    directly."""
+    if reply[1]:
+        return len(full) - max(covered, min(reply[0], len(full)))
     last = full.rfind(_MSG_BYTE, covered)
     return len(full) - max(covered, last)
 

@@ -243,8 +243,9 @@ class Picker:
         if ledgers is not None and key.blocks:
             blocks, sizes = footprint_of(key)
             ledgers.hold(backend_id, blocks, sizes)
-            if key.previous_prompt_end:
-                # The previous turn's own tail is in this turn's blocks now: not twice.
+            if key.previous_prompt_end and key.ends[len(key.blocks) - 1] >= key.reply[0]:
+                # The previous turn's prompt, its own tail too, is in this turn's blocks now: not twice.
+                # (Short of them, it is still its own entry, and this turn's tail starts where it ended.)
                 ledgers.drop(backend_id, key.previous_prompt_end)
 
     def ended(self, key: RoutingKey, backend_id: str) -> None:
