@@ -39,16 +39,19 @@ __all__ = ["LEDGER_ENTRIES", "ROOM_CHOICES", "Branch", "Candidates", "Decision",
 LEDGER_ENTRIES = 50_000
 
 
-def footprint_of(key: RoutingKey) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """What the request leaves in its backend's cache, as ledger entries and their bytes: its blocks,
-    then its own tail under the prompt's end (RoutingKey.own_tail), which identical prompts share.
-    Only for a request with blocks: a prompt that fills none stays out of the ledgers, so while only
-    such prompts have been placed the ledgers stay even, and the ring keeps each one on one backend."""
-    blocks = key.blocks
-    sizes = block_sizes(key.ends)[: len(blocks)]
-    if key.own_tail and key.prompt_end:
-        return (*blocks, key.prompt_end), (*sizes, key.own_tail)
-    return blocks, sizes
+def footprint_entries(key: RoutingKey) -> tuple[int, ...]:
+    """What the request leaves in its backend's cache, as ledger entries: its blocks, then its own
+    tail under the prompt's end (a key has an own tail only with a prompt end, RoutingKey.own_tail),
+    which identical prompts share. Only for a request with blocks: a prompt that fills none stays out
+    of the ledgers, so while only such prompts have been placed the ledgers stay even, and the ring
+    keeps each one on one backend."""
+    return (*key.blocks, key.prompt_end) if key.own_tail else key.blocks
+
+
+def footprint_sizes(key: RoutingKey) -> tuple[int, ...]:
+    """The bytes of each of `footprint_entries(key)`."""
+    sizes = block_sizes(key.ends)[: len(key.blocks)]
+    return (*sizes, key.own_tail) if key.own_tail else sizes
 
 
 class Picker:
@@ -241,8 +244,7 @@ class Picker:
         each `chosen`."""
         ledgers = self._ledgers
         if ledgers is not None and key.blocks:
-            blocks, sizes = footprint_of(key)
-            ledgers.hold(backend_id, blocks, sizes)
+            ledgers.hold(backend_id, footprint_entries(key), footprint_sizes(key))
             if key.previous_prompt_end and key.ends[len(key.blocks) - 1] >= key.reply[0]:
                 # The previous turn's prompt, its own tail too, is in this turn's blocks now: not twice.
                 # (Short of them, it is still its own entry, and this turn's tail starts where it ended.)
@@ -252,7 +254,7 @@ class Picker:
         """The request `chosen` sent there has ended, however: its blocks are no longer pinned there
         and age from now on, as the engine frees them (routing/footprint.py)."""
         if self._ledgers is not None and key.blocks:
-            self._ledgers.let_go(backend_id, footprint_of(key)[0])
+            self._ledgers.let_go(backend_id, footprint_entries(key))
 
     def placed(self, key: RoutingKey, backend_id: str) -> None:
         """Learn from a placement that reached the backend (its answer began well). The prompt's end
