@@ -28,7 +28,7 @@ from prefix_router.fleet.models import ModelDirectory
 from prefix_router.routing.decision import Branch, Candidates, Decision
 from prefix_router.routing.keys import RoutingKey
 from prefix_router.routing.load import Lease
-from prefix_router.routing.picker import Picker
+from prefix_router.routing.picker import FootprintHold, Picker
 from prefix_router.routing.ring import HashRing
 from prefix_router.routing.shared_view import (
     ClaimAnswer,
@@ -241,6 +241,7 @@ class Placement:
 
     __slots__ = (
         "_claim",
+        "_footprint",
         "_hold",
         "_key",
         "_lease",
@@ -260,9 +261,11 @@ class Placement:
         lease: Lease,
         hold: PrefillHold | None,
         claim: SharedClaim | None = None,
+        footprint: FootprintHold | None = None,
     ) -> None:
         self._placer = placer
         self._key = key
+        self._footprint = footprint
         self.decision = decision
         self.backend_id = decision.backend_id
         self.branch = branch
@@ -298,7 +301,7 @@ class Placement:
             self._hold.release()
         if self._claim is not None:
             self._claim.release()
-        self._placer._picker.ended(self._key, self.backend_id)
+        self._placer._picker.ended(self._footprint)
         self._placer._lease_ended(self._lease)
 
 
@@ -361,10 +364,10 @@ class Placer:
         backend = decision.backend_id
         # Nothing awaits from here to the return: a cancelled request cannot leak the lease or hold.
         lease = self._backends.load.acquire(backend)
-        self._picker.chosen(key, backend)
+        footprint = self._picker.chosen(key, backend)
         hold = self._holds.claim(key, backend) if self._holds is not None else None
         branch = Branch.RETRY if exclude else decision.branch
-        return Placement(self, key, decision, branch, lease, hold, claim)
+        return Placement(self, key, decision, branch, lease, hold, claim, footprint)
 
     def settle_key(self, key: RoutingKey) -> RoutingKey:
         """The key to place every attempt of this request by (Picker.settle_key); once a request."""

@@ -53,10 +53,10 @@ def fits(backend: str, load: LoadTracker, candidates: Candidates, config: Balanc
 
 def own(picker: Picker, key: RoutingKey, backend: str, in_flight: bool = True) -> None:
     """The backend took `key` (the index knows it); with `in_flight`, a request there still holds it."""
-    picker.chosen(key, backend)
+    held = picker.chosen(key, backend)
     picker.placed(key, backend)
     if not in_flight:
-        picker.ended(key, backend)
+        picker.ended(held)
 
 
 @settings(max_examples=300)

@@ -40,9 +40,9 @@ def fleet(n: int, salt: str = "") -> tuple[HashRing, Candidates]:
 def place(picker: Picker, key: RoutingKey, ring: HashRing, cands: Candidates) -> str:
     decision = picker.pick(key, ring, cands, LoadTracker())
     assert decision is not None
-    picker.chosen(key, decision.backend_id)
+    held = picker.chosen(key, decision.backend_id)
     picker.placed(key, decision.backend_id)
-    picker.ended(key, decision.backend_id)
+    picker.ended(held)
     return decision.backend_id
 
 
@@ -281,13 +281,13 @@ def test_new_conversations_behind_a_shared_system_prompt_go_to_its_roomiest_owne
     first, second = cands.ids[0], cands.ids[1]
     for backend in (first, second):
         opening = chat(system, ("user", text(8, 40)))
-        picker.chosen(opening, backend)
+        held = picker.chosen(opening, backend)
         picker.placed(opening, backend)
-        picker.ended(opening, backend)
+        picker.ended(held)
     busy = chat(("system", text(9, 1500)), ("user", "q"))  # the first owner's cache is fuller
-    picker.chosen(busy, first)
+    held = picker.chosen(busy, first)
     picker.placed(busy, first)
-    picker.ended(busy, first)
+    picker.ended(held)
     turn = chat(system, ("user", text(10, 1500)))
     decision = picker.pick(turn, ring, cands, LoadTracker())
     assert decision is not None and decision.branch is Branch.PREFIX_MATCH
@@ -313,9 +313,9 @@ def test_an_owner_whose_cache_turned_over_is_no_longer_followed() -> None:
     assert ledgers is not None
     for g in range(2, 8):  # more new prompts on the owner than its cache holds
         other = chat(("system", text(g, 4000)), ("user", "q"))
-        picker.chosen(other, owner)
+        held = picker.chosen(other, owner)
         picker.placed(other, owner)
-        picker.ended(other, owner)
+        picker.ended(held)
     assert picker.index.longest_match(first_key.blocks) == (0, ())
     assert ledgers.ledger(owner).used_bytes <= 3 * first_key.size
 
@@ -333,12 +333,12 @@ def test_short_questions_behind_one_cached_prompt_fill_their_backends_ledger() -
     for q in range(25):
         question = chat(("system", hot), ("user", f"Question {q}: " + text(200 + q, 150)))
         assert question.ends[len(question.blocks) - 1] == 1536 and question.own_tail > 0
-        picker.chosen(question, hot_home)
+        held = picker.chosen(question, hot_home)
         picker.placed(question, hot_home)
-        picker.ended(question, hot_home)
+        picker.ended(held)
     place_on = chat(("system", text(2, 2500)), ("user", "q"))
-    picker.chosen(place_on, other)
-    picker.ended(place_on, other)
+    held = picker.chosen(place_on, other)
+    picker.ended(held)
     ledgers = picker.ledgers
     assert ledgers is not None
     # The blocks alone, the system prompt's, are fewer bytes than the other backend's prompt.
@@ -373,8 +373,8 @@ def test_a_conversation_is_counted_once_in_its_backends_ledger(
     ledgers = picker.ledgers
     assert ledgers is not None
     for turn in (first, second):
-        picker.chosen(turn, home)
-        picker.ended(turn, home)
+        held = picker.chosen(turn, home)
+        picker.ended(held)
     assert ledgers.ledger(home).used_bytes == second.size
     assert (first.prompt_end in ledgers.ledger(home)) is not blocks_reach_the_first_prompt
 
@@ -461,13 +461,13 @@ def test_a_prefix_in_flight_is_not_aged_out_by_the_placements_after_it() -> None
     doc = chat(("system", text(40, 8000)), ("user", "q0"))
     home = cands.ids[0]
     picker.set_capacity(home, 2.2 * doc.size)  # room for two such prompts
-    picker.chosen(doc, home)  # in flight: no end yet
+    doc_held = picker.chosen(doc, home)  # in flight: no end yet
     picker.placed(doc, home)
     for g in (41, 42):
         other = chat(("system", text(g, 8000)), ("user", "q"))
-        picker.chosen(other, home)
+        held = picker.chosen(other, home)
         picker.placed(other, home)
-        picker.ended(other, home)
+        picker.ended(held)
     assert picker.index is not None
     assert picker.index.longest_match(doc.blocks) == (len(doc.blocks), (home,))
     again = chat(("system", text(40, 8000)), ("user", "q1"))
@@ -475,12 +475,36 @@ def test_a_prefix_in_flight_is_not_aged_out_by_the_placements_after_it() -> None
     assert decision is not None
     assert (decision.backend_id, decision.branch) == (home, Branch.PREFIX_MATCH)
     # Once it ends it ages like any other entry: the placements after it trim it, tail first.
-    picker.ended(doc, home)
+    picker.ended(doc_held)
     for g in (43, 44):
         other = chat(("system", text(g, 8000)), ("user", "q"))
-        picker.chosen(other, home)
-        picker.ended(other, home)
+        held = picker.chosen(other, home)
+        picker.ended(held)
     assert picker.index.longest_match(doc.blocks)[0] < len(doc.blocks)
+
+
+def test_an_end_from_before_a_backend_left_does_not_unpin_what_is_held_there_since_it_rejoined() -> None:
+    """A backend leaves (discovery, a failed probe) while a request runs there and joins again; the
+    same prompt is sent there anew. The old request's late end must not let go of the new one's
+    blocks: a pinned prompt would otherwise age out and the index stop following it mid-request."""
+    picker = Picker(BalanceConfig())
+    home = "http://10.1.9.1:8000"
+    doc = chat(("system", text(60, 3000)), ("user", "q"))
+    before = picker.chosen(doc, home)
+    picker.forget(home)
+    picker.ended(before)  # no ledger there now: nothing to let go, none made
+    assert picker.ledgers is not None
+    assert picker.ledgers.held_bytes(home) == 0
+    stale = picker.chosen(doc, home)
+    picker.forget(home)
+    since = picker.chosen(doc, home)  # joined again: a fresh ledger, held by this request only
+    held = picker.ledgers.held_bytes(home)
+    assert held > 0
+    picker.ended(stale)
+    assert picker.ledgers.held_bytes(home) == held
+    assert all(picker.ledgers.is_held(home, block) for block in doc.blocks)
+    picker.ended(since)
+    assert picker.ledgers.held_bytes(home) == 0
 
 
 def test_a_cache_held_whole_by_requests_in_flight_ranks_last_for_a_new_prefix() -> None:
@@ -489,12 +513,12 @@ def test_a_cache_held_whole_by_requests_in_flight_ranks_last_for_a_new_prefix() 
     ledgers = FootprintLedgers(max_entries=100)
     for backend in ("pinned", "free"):
         ledgers.set_capacity(backend, 1000)
-    ledgers.hold("pinned", (1,), (500,))  # clock 1, in flight
+    first = ledgers.hold("pinned", (1,), (500,))  # clock 1, in flight
     ledgers.hold("pinned", (2,), (500,))  # clock 2, in flight: full
     ledgers.record("free", (3,), (500,))
     ledgers.record("free", (4,), (500,))  # full, all of it evictable
     assert ledgers.rank("free") < ledgers.rank("pinned")
-    ledgers.let_go("pinned", (1,))  # one ends: the engine may evict it now; its end is its last use
+    ledgers.let_go("pinned", (1,), first)  # one ends: the engine may evict it now; its end is its last use
     assert ledgers.ledger("pinned").held_bytes == 500
     assert ledgers.rank("free") < ledgers.rank("pinned") < (2, 0.0)
 
@@ -534,8 +558,8 @@ def test_a_new_prefix_goes_where_it_can_be_admitted_now(held_by: str) -> None:
         picker.chosen(long_prompt, busy)  # in flight here
     for g in (72, 73, 74):  # served and done: evictable
         done = chat(("system", text(g, 3000)), ("user", "q"))
-        picker.chosen(done, free)
-        picker.ended(done, free)
+        held = picker.chosen(done, free)
+        picker.ended(held)
     ledgers = picker.ledgers
     assert ledgers is not None
     assert ledgers.rank(busy) < ledgers.rank(free), "on room and retention alone, busy looks better"

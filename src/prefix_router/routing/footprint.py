@@ -237,13 +237,16 @@ class FootprintLedgers:
             self._evicted(evicted, backend_id)
         self._rerank(backend_id)
 
-    def hold(self, backend_id: str, blocks: Sequence[int], sizes: Sequence[int]) -> None:
-        """A request is sent there: its blocks are used now and stay until `let_go` (see BackendLedger)."""
+    def hold(self, backend_id: str, blocks: Sequence[int], sizes: Sequence[int]) -> BackendLedger:
+        """A request is sent there: its blocks are used now and stay until `let_go` (see BackendLedger).
+        Returns the ledger they are held on, for `let_go` to name."""
         self._clock += 1
-        evicted = self.ledger(backend_id).hold(blocks, sizes)
+        ledger = self.ledger(backend_id)
+        evicted = ledger.hold(blocks, sizes)
         if evicted:
             self._evicted(evicted, backend_id)
         self._rerank(backend_id)
+        return ledger
 
     def drop(self, backend_id: str, block: int) -> None:
         """See BackendLedger.drop; nothing is evicted, so no owner is forgotten."""
@@ -285,10 +288,12 @@ class FootprintLedgers:
         ledger = self._ledgers.get(backend_id)
         return ledger is not None and ledger.is_held(block)
 
-    def let_go(self, backend_id: str, blocks: Sequence[int]) -> None:
-        """The request that `hold` noted has ended (a backend forgotten since is ignored)."""
+    def let_go(self, backend_id: str, blocks: Sequence[int], held_on: BackendLedger) -> None:
+        """The request that `hold` noted on `held_on` has ended. A backend forgotten since is ignored,
+        also once it has joined again: its new ledger's holds are other requests' (the same prompt
+        sent there after the rejoin holds the same blocks), and a late end must not unpin them."""
         ledger = self._ledgers.get(backend_id)
-        if ledger is None:
+        if ledger is None or ledger is not held_on:
             return
         self._clock += 1
         ledger.let_go(blocks, self._clock)

@@ -14,7 +14,7 @@ from collections.abc import Callable, Collection, Iterable
 
 from prefix_router.routing.config import BalanceConfig, FirstPlacement, Policy
 from prefix_router.routing.decision import Branch, Candidates, Decision
-from prefix_router.routing.footprint import FootprintLedgers
+from prefix_router.routing.footprint import BackendLedger, FootprintLedgers
 from prefix_router.routing.keys import RoutingKey, block_sizes
 from prefix_router.routing.load import (
     LoadTracker,
@@ -33,10 +33,20 @@ from prefix_router.routing.prefix_index import PrefixIndex
 from prefix_router.routing.ring import HashRing
 
 # Decision, Branch and Candidates are defined in routing/decision.py; importable from here as before.
-__all__ = ["LEDGER_ENTRIES", "ROOM_CHOICES", "Branch", "Candidates", "Decision", "Picker"]
+__all__ = ["LEDGER_ENTRIES", "ROOM_CHOICES", "Branch", "Candidates", "Decision", "FootprintHold", "Picker"]
 
 # Blocks each backend's ledger may hold while its capacity is unknown (~100 bytes an entry).
 LEDGER_ENTRIES = 50_000
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FootprintHold:
+    """What `Picker.chosen` pinned for one request, for `Picker.ended` to let go: the ledger is the
+    one it was held on, so an end that comes after its backend left and joined again is ignored."""
+
+    backend_id: str
+    entries: tuple[int, ...]
+    ledger: BackendLedger
 
 
 def footprint_entries(key: RoutingKey) -> tuple[int, ...]:
@@ -235,26 +245,29 @@ class Picker:
             return None
         return self._policy.pick(key, ring, usable, load, wait, hold)
 
-    def chosen(self, key: RoutingKey, backend_id: str) -> None:
+    def chosen(self, key: RoutingKey, backend_id: str) -> FootprintHold | None:
         """A request is being sent to the backend: its cache will hold these blocks.
 
         Counted when the choice is final, not when the answer comes: a burst of new prefixes then
         spreads as it arrives, and a backend that fails every request fills its ledger like any other
-        instead of always looking the roomiest. Held until `ended`: the caller calls it once for
-        each `chosen`."""
+        instead of always looking the roomiest. Held until `ended`: the caller passes what this
+        returns to it once (None: nothing was held)."""
         ledgers = self._ledgers
-        if ledgers is not None and key.blocks:
-            ledgers.hold(backend_id, footprint_entries(key), footprint_sizes(key))
-            if key.previous_prompt_end and key.ends[len(key.blocks) - 1] >= key.reply[0]:
-                # The previous turn's prompt, its own tail too, is in this turn's blocks now: not twice.
-                # (Short of them, it is still its own entry, and this turn's tail starts where it ended.)
-                ledgers.drop(backend_id, key.previous_prompt_end)
+        if ledgers is None or not key.blocks:
+            return None
+        entries = footprint_entries(key)
+        ledger = ledgers.hold(backend_id, entries, footprint_sizes(key))
+        if key.previous_prompt_end and key.ends[len(key.blocks) - 1] >= key.reply[0]:
+            # The previous turn's prompt, its own tail too, is in this turn's blocks now: not twice.
+            # (Short of them, it is still its own entry, and this turn's tail starts where it ended.)
+            ledgers.drop(backend_id, key.previous_prompt_end)
+        return FootprintHold(backend_id, entries, ledger)
 
-    def ended(self, key: RoutingKey, backend_id: str) -> None:
+    def ended(self, held: FootprintHold | None) -> None:
         """The request `chosen` sent there has ended, however: its blocks are no longer pinned there
         and age from now on, as the engine frees them (routing/footprint.py)."""
-        if self._ledgers is not None and key.blocks:
-            self._ledgers.let_go(backend_id, footprint_entries(key))
+        if held is not None and self._ledgers is not None:
+            self._ledgers.let_go(held.backend_id, held.entries, held.ledger)
 
     def placed(self, key: RoutingKey, backend_id: str) -> None:
         """Learn from a placement that reached the backend (its answer began well). The prompt's end
