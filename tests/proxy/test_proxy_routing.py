@@ -188,23 +188,40 @@ async def test_multi_turn_conversation_follows_its_history(fake_backends, router
         assert len(homes) == 1, f"conversation {conv} moved between backends: {homes}"
 
 
+@pytest.mark.parametrize("api", ["chat", "responses"])
 async def test_a_conversation_opened_by_a_short_question_stays_on_its_backend(
-    fake_backends, router, client
+    fake_backends, router, client, api: str
 ) -> None:
     """No system prompt and a first question shorter than the key's first block: the prefix index
     holds no block of it, only who took it. The next turns still go there, while the other
-    conversations' turns, interleaved, change what each cache holds."""
+    conversations' turns, interleaved, change what each cache holds. The same for the Responses API
+    used without server-side state (`store: false`, each turn's `input` the whole history, the
+    answers as the output items it returned)."""
     backends = await fake_backends(8)
     r = await router(router_settings(backends, routing={"kv_capacity_tokens": 4096}))
-    chats: list[list[dict[str, str]]] = [[] for _ in range(12)]
+    chats: list[list[dict[str, Any]]] = [[] for _ in range(12)]
     homes: list[list[str]] = [[] for _ in chats]
     for turn in range(4):
         for conv, messages in enumerate(chats):
             messages.append({"role": "user", "content": f"Hi, question {turn} of chat {conv}?"})
-            resp = await client.post(f"{r.url}{CHAT}", json={"model": "m", "messages": messages})
+            if api == "chat":
+                resp = await client.post(f"{r.url}{CHAT}", json={"model": "m", "messages": messages})
+            else:
+                body = {"model": "m", "input": messages, "store": False}
+                resp = await client.post(f"{r.url}/v1/responses", json=body)
             assert resp.status_code == 200
             homes[conv].append(resp.headers["x-prefix-router-backend"])
-            messages.append({"role": "assistant", "content": f"Answer {turn} of chat {conv}. " * 20})
+            answer = f"Answer {turn} of chat {conv}. " * 20
+            if api == "chat":
+                messages.append({"role": "assistant", "content": answer})
+            else:
+                messages.append(
+                    {
+                        "type": "message",
+                        "role": "assistant",
+                        "content": [{"type": "output_text", "text": answer}],
+                    }
+                )
     moved = {conv: seen for conv, seen in enumerate(homes) if len(set(seen)) > 1}
     assert not moved, f"conversations moved between backends: {moved}"
 

@@ -375,13 +375,15 @@ def test_a_key_says_how_much_of_it_a_ring_key_ending_at_a_message_holds(
     assert key(CHAT, body, config=config).ring_bytes == ring_bytes
 
 
+# A conversation's (question, answer) pairs.
+TURNS = st.lists(
+    st.tuples(st.text(min_size=1, max_size=400), st.text(min_size=1, max_size=400)), min_size=1, max_size=5
+)
+
+
 @settings(max_examples=60, deadline=None)
 @given(
-    turns=st.lists(
-        st.tuples(st.text(min_size=1, max_size=400), st.text(min_size=1, max_size=400)),
-        min_size=1,
-        max_size=5,
-    ),
+    turns=TURNS,
     system=st.text(max_size=3000),
     tenant=st.none() | st.just("t1"),
 )
@@ -401,6 +403,35 @@ def test_a_turns_previous_prompt_end_is_the_previous_turns_prompt_end(
             assert k.previous_prompt_end == previous.prompt_end
         previous = k
         messages.append(("assistant", answer))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    turns=TURNS,
+    instructions=st.none() | st.text(max_size=2000),
+)
+def test_a_stateless_responses_turn_finds_its_previous_turn_as_a_chat_does(
+    turns: list[tuple[str, str]], instructions: str | None
+) -> None:
+    """A Responses client that keeps no state on the server sends the whole history as `input`, the
+    answers as the output items it got back: turn k+1's `previous_prompt_end` is turn k's prompt end,
+    and its own tail is counted, as for a chat."""
+    items: list[dict[str, Any]] = []
+    previous: RoutingKey | None = None
+    for question, answer in turns:
+        items.append({"role": "user", "content": question})
+        body: dict[str, Any] = {"model": "m", "input": items, "store": False}
+        if instructions is not None:
+            body["instructions"] = instructions
+        k = key("/v1/responses", body)
+        assert k.prompt_end != 0
+        assert k.previous_prompt_end == (0 if previous is None else previous.prompt_end)
+        covered = k.ends[len(k.blocks) - 1] if k.blocks else 0
+        assert 0 <= k.own_tail <= k.size - covered
+        previous = k
+        items.append(
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": answer}]}
+        )
 
 
 @pytest.mark.parametrize(

@@ -65,17 +65,17 @@ class RoutingKey:
     # prefix_chars (0: it is cut at prefix_chars or prefix_bytes): that much of the request, the ring
     # places alike on every replica.
     ring_bytes: int = field(default=0, compare=False)
-    # Chat only (0: none): a hash of the whole key material, and of the material before the last
-    # assistant message, i.e. the previous turn's whole prompt. The index remembers where each prompt
-    # went by the first, so the next turn finds the backend that took the previous one by the second,
-    # however little of it filled a block of its own.
+    # Chat and Responses only (0: none): a hash of the whole key material, and of the material before
+    # the last assistant message, i.e. the previous turn's whole prompt. The index remembers where each
+    # prompt went by the first, so the next turn finds the backend that took the previous one by the
+    # second, however little of it filled a block of its own.
     prompt_end: int = field(default=0, compare=False)
     previous_prompt_end: int = field(default=0, compare=False)
-    # Chat only: bytes at the end of the key material that no block covers and that are this request's
-    # own: its last message (the new question, in most requests) and, in a later turn, the last reply
-    # before it too. No other request shares them, yet the engine caches them: a backend taking many
-    # short questions behind one cached system prompt turns its cache over though its blocks stay few
-    # (routing/footprint.py counts them, under prompt_end).
+    # Chat and Responses only: bytes at the end of the key material that no block covers and that are
+    # this request's own: its last message (the new question, in most requests) and, in a later turn,
+    # the last reply before it too. No other request shares them, yet the engine caches them: a
+    # backend taking many short questions behind one cached system prompt turns its cache over though
+    # its blocks stay few (routing/footprint.py counts them, under prompt_end).
     own_tail: int = field(default=0, compare=False)
     # With `cold_preamble_share` (0: none): the ring position of the preamble alone and the bytes it
     # covers, for the picker to place by while that preamble is cold (Picker.settle_key).
@@ -161,7 +161,9 @@ def extract_key(path: str, body: bytes, tenant: str | None, config: KeyConfig) -
                 )
                 key.preamble_ring_hash = hash_rooted(_key_root(tenant, model), head)
                 key.preamble_bytes = len(head)
-            if "messages" in doc:
+            if "messages" in doc or path.endswith("/responses"):
+                # A conversation: a chat, or a Responses request (its `input` items are the messages;
+                # a client that keeps no state on the server sends the whole history each turn).
                 full, ends, root = encoded[: config.max_key_bytes], key.ends, _key_root(tenant, model)
                 key.prompt_end = prompt_end_hash(root, full, ends, key.blocks, len(full))
                 key.own_tail = own_tail_bytes(full, ends[len(key.blocks) - 1] if key.blocks else 0, reply)
