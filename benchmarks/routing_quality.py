@@ -33,6 +33,8 @@ with the command that reproduces it, printed and written to benchmarks/results/.
     python benchmarks/routing_quality.py --trace benchmarks/traces/mooncake_conversation_head2000.jsonl
     python benchmarks/routing_quality.py --workloads families --policies prefix prefix_ring \\
         --define-policy 'prefix_t05:routing.follow_threshold=0.5'
+    # the same conversations through the Responses API, as a client keeping no state on the server
+    python benchmarks/routing_quality.py --workloads multi_turn families --api responses
     # real vLLM: no layouts but the workload's seed; --reset-url-path empties the caches between runs
     # (vLLM needs VLLM_SERVER_DEV_MODE=1), so every run of a layout serves the same requests;
     # --prompt-scale shrinks every prompt; --tokenizer (the served model's) gives each run the oracle
@@ -89,6 +91,7 @@ from prefix_router.loadgen.traces import (
 from prefix_router.loadgen.workloads import (
     DEFAULT_MODEL,
     Workload,
+    as_responses,
     distinct_blocks,
     families,
     hot_prefix,
@@ -211,6 +214,10 @@ class WorkloadSpec:
     # Why SGLang's figures on this workload are not comparable with ours, when they are not.
     sglang_caveat: str = ""
     fleet: SimConfig = field(default_factory=lambda: PLACEMENT_FLEET)
+
+
+def _through_responses(make: Callable[[int], Workload]) -> Callable[[int], Workload]:
+    return lambda layout: as_responses(make(layout))
 
 
 def _maker(builder: Callable[..., Workload], seed: int, **kwargs: Any) -> Callable[[int], Workload]:
@@ -978,6 +985,8 @@ def reproduce_command(args: argparse.Namespace, workload: str) -> str:
         cmd += ["--prompt-scale", f"{args.prompt_scale:g}"]
     if args.model != DEFAULT_MODEL:
         cmd += ["--model", args.model]
+    if args.api != "chat":
+        cmd += ["--api", args.api]
     if args.backends:
         cmd += ["--backends", *args.backends]
         if args.reset_url_path:
@@ -1077,6 +1086,8 @@ async def run(args: argparse.Namespace) -> int:
         raise SystemExit("--prompt-scale, --time-scale and --cache-ratio must be positive")
     if args.reset_url_path and not args.backends:
         raise SystemExit("--reset-url-path applies to --backends (the sim is always reset)")
+    if args.api == "responses" and (args.backends or args.trace):
+        raise SystemExit("--api responses runs the workloads on the sim (its oracle reads the chat shape)")
     if args.tokenizer and not args.backends:
         raise SystemExit("--tokenizer applies to --backends (the sim's oracle uses the sim's tokenizer)")
     args.engine_fleet = (
@@ -1091,7 +1102,9 @@ async def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"unknown workloads {unknown}; known: {sorted(names)}")
     if args.workloads:
         specs = [s for s in specs if s.name in args.workloads]
-    elif args.trace:
+    if args.api == "responses":
+        specs = [dataclasses.replace(s, make=_through_responses(s.make)) for s in specs]
+    if not args.workloads and args.trace:
         specs = []  # --trace alone replays the trace only; name workloads to run them too
     if args.trace:
         specs.append(trace_spec(args))
@@ -1281,6 +1294,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--model", default=DEFAULT_MODEL, help="the model name requests carry (default: %(default)s)"
+    )
+    p.add_argument(
+        "--api",
+        choices=("chat", "responses"),
+        default="chat",
+        help="send the workloads' conversations as chat completions, or through the Responses API as a "
+        "client keeping no state on the server does (store: false, the whole history as input; the sim "
+        "only) (default: %(default)s)",
     )
     return p  # fmt: skip
 

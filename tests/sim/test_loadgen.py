@@ -27,7 +27,13 @@ from prefix_router.loadgen.drivers import (
     summarise,
 )
 from prefix_router.loadgen.traces import parse_record, trace_workload
-from prefix_router.loadgen.workloads import multi_turn, shared_prefix
+from prefix_router.loadgen.workloads import (
+    as_responses,
+    multi_turn,
+    oracle_hit_rate,
+    prompt_blocks,
+    shared_prefix,
+)
 from prefix_router.sim.config import SimConfig
 from prefix_router.sim.fleet import SimFleet
 
@@ -85,6 +91,32 @@ async def test_open_loop_is_bounded_in_count_and_time(fleet: SimFleet) -> None:
         by_time = await run_open_loop(session, fleet.urls[0], workload, rate_per_s=20, max_duration_s=0.3)
     assert len(by_count) == 5 and all(r.ok for r in by_count)
     assert 0 <= len(by_time) < 20
+
+
+async def test_a_workload_through_the_responses_api_serves_the_chat_workloads_prompts() -> None:
+    """The Responses form of a workload (`store: false`, each turn's history as `input`): the sim
+    renders it as the chat form, so prompt sizes, cached tokens and the oracle are the chat form's;
+    the driver reads the Responses events (first text delta, `response.completed` usage)."""
+    chats = multi_turn(conversations=3, min_turns=2, max_turns=3, system_tokens=16, max_tokens=2)
+    responses = as_responses(chats)
+    assert all(
+        r.path == "/v1/responses" and "input" in r.body and r.body["store"] is False
+        for r in responses.requests
+    )
+    assert [prompt_blocks(r.body, 16) for r in responses.requests] == [
+        prompt_blocks(r.body, 16) for r in chats.requests
+    ]
+    assert oracle_hit_rate(responses, block_size=16, capacity_blocks=None) == oracle_hit_rate(
+        chats, block_size=16, capacity_blocks=None
+    )
+    served = {}
+    for name, workload in (("chat", chats), ("responses", responses)):
+        async with SimFleet(FAST, count=1) as one, client_session() as session:
+            results = await run_closed_loop(session, one.urls[0], workload, concurrency=1)
+        assert all(r.ok and r.ttft_s is not None for r in results), [r.error for r in results]
+        served[name] = [(r.prompt_tokens, r.cached_tokens) for r in results]
+    assert served["responses"] == served["chat"]
+    assert any(cached for _, cached in served["chat"]), "later turns hit their history"
 
 
 async def test_several_routers_take_requests_round_robin_by_index() -> None:

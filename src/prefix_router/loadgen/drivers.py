@@ -30,7 +30,7 @@ import aiohttp
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
-from prefix_router.loadgen.workloads import Workload, WorkloadRequest
+from prefix_router.loadgen.workloads import CHAT_PATH, Workload, WorkloadRequest
 
 BACKEND_HEADER = "x-prefix-router-backend"
 
@@ -88,13 +88,16 @@ async def send_one(
     if routes and request.group in routes:
         base_url = routes[request.group]
         result.backend = base_url
-    body = request.body | {"stream": True, "stream_options": {"include_usage": True}}
+    chat = request.path == CHAT_PATH
+    body = request.body | (
+        {"stream": True, "stream_options": {"include_usage": True}} if chat else {"stream": True}
+    )
     headers = {"content-type": "application/json", **request.headers()}
     start = result.sent_s = time.monotonic()
     try:
         async with asyncio.timeout(timeout_s):
             async with session.post(
-                f"{base_url}/v1/chat/completions", data=orjson.dumps(body), headers=headers
+                f"{base_url}{request.path}", data=orjson.dumps(body), headers=headers
             ) as resp:
                 result.status = resp.status
                 result.backend = resp.headers.get(BACKEND_HEADER, result.backend)
@@ -120,6 +123,17 @@ async def _read_stream(resp: aiohttp.ClientResponse, result: RequestResult, star
             done = True
             break
         chunk = orjson.loads(payload)
+        kind = chunk.get("type")
+        if kind is not None:  # a Responses API event
+            if kind == "response.output_text.delta" and result.ttft_s is None and chunk.get("delta"):
+                result.ttft_s = time.monotonic() - start
+            elif kind == "response.completed":
+                usage = (chunk.get("response") or {}).get("usage") or {}
+                result.prompt_tokens = usage.get("input_tokens")
+                result.cached_tokens = (usage.get("input_tokens_details") or {}).get("cached_tokens")
+                done = True
+                break
+            continue
         if result.ttft_s is None:
             for choice in chunk.get("choices") or ():
                 if (choice.get("delta") or {}).get("content") or choice.get("text"):
@@ -131,7 +145,7 @@ async def _read_stream(resp: aiohttp.ClientResponse, result: RequestResult, star
             details = usage.get("prompt_tokens_details") or {}
             result.cached_tokens = details.get("cached_tokens")
     if not done:
-        result.error = "stream ended without [DONE]"
+        result.error = "stream ended early: no [DONE] (chat) or response.completed (Responses)"
 
 
 BaseUrls = str | Sequence[str]

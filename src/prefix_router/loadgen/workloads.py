@@ -33,6 +33,8 @@ from prefix_router.sim.tokens import BYTES_PER_TOKEN, ChatMessage, render_chat, 
 
 DEFAULT_MODEL = "sim-llama"
 TENANT_HEADER = "x-prefix-cache-key"
+CHAT_PATH = "/v1/chat/completions"
+RESPONSES_PATH = "/v1/responses"
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +44,7 @@ class WorkloadRequest:
     tenant: str | None = None  # sent as the x-prefix-cache-key header when set
     after: int | None = None  # index of a request that must finish first (the previous chat turn)
     at_s: float | None = None  # a replayed trace's arrival time, seconds from the start of the run
+    path: str = CHAT_PATH  # where the body is posted: chat, or the Responses API (`as_responses`)
 
     def headers(self) -> dict[str, str]:
         return {} if self.tenant is None else {TENANT_HEADER: self.tenant}
@@ -56,6 +59,21 @@ class Workload:
 
     def __len__(self) -> int:
         return len(self.requests)
+
+
+def as_responses(workload: Workload) -> Workload:
+    """The same conversations through the Responses API, as a client that keeps no state on the
+    server sends them (`store: false`): each turn's messages, answers included, as `input`. The sim
+    renders both alike, so the prompts, their blocks and the oracle are the chat workload's."""
+
+    def convert(body: dict[str, Any]) -> dict[str, Any]:
+        out = {k: v for k, v in body.items() if k not in ("messages", "max_tokens")}
+        return out | {"input": body["messages"], "max_output_tokens": body["max_tokens"], "store": False}
+
+    requests = tuple(
+        dataclasses.replace(r, body=convert(r.body), path=RESPONSES_PATH) for r in workload.requests
+    )
+    return dataclasses.replace(workload, requests=requests)
 
 
 # -- text ----------------------------------------------------------------------------------------
@@ -470,7 +488,8 @@ def cache_sensitive_config(
 
 def prompt_blocks(body: dict[str, Any], block_size: int) -> tuple[int, list[int]]:
     """(prompt tokens, chained block hashes) of a chat body, exactly as the sim renders and hashes it."""
-    messages = [ChatMessage(str(m["role"]), str(m.get("content") or "")) for m in body["messages"]]
+    items = body["messages"] if "messages" in body else body["input"]
+    messages = [ChatMessage(str(m["role"]), str(m.get("content") or "")) for m in items]
     prompt = tokenize_text(render_chat(messages))
     salt = body.get("cache_salt")
     return prompt.num_tokens, hash_prompt_blocks(prompt, block_size, salt if isinstance(salt, str) else None)
