@@ -524,7 +524,7 @@ def test_a_prompt_that_ends_on_a_block_end_has_no_own_tail() -> None:
     assert k.size == 1536 and k.own_tail == 0
 
 
-def test_only_chat_keys_have_an_own_tail() -> None:
+def test_completions_and_native_keys_have_no_own_tail() -> None:
     assert key("/v1/completions", {"model": "m", "prompt": "hello " * 100}).own_tail == 0
     assert key("/generate", {"text": "hello " * 100}).own_tail == 0
 

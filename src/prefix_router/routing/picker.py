@@ -49,19 +49,16 @@ class FootprintHold:
     ledger: BackendLedger
 
 
-def footprint_entries(key: RoutingKey) -> tuple[int, ...]:
-    """What the request leaves in its backend's cache, as ledger entries: its blocks, then its own
-    tail under the prompt's end (a key has an own tail only with a prompt end, RoutingKey.own_tail),
-    which identical prompts share. Only for a request with blocks: a prompt that fills none stays out
-    of the ledgers, so while only such prompts have been placed the ledgers stay even, and the ring
-    keeps each one on one backend."""
-    return (*key.blocks, key.prompt_end) if key.own_tail else key.blocks
-
-
-def footprint_sizes(key: RoutingKey) -> tuple[int, ...]:
-    """The bytes of each of `footprint_entries(key)`."""
+def footprint(key: RoutingKey) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """What the request leaves in its backend's cache, as ledger entries and their bytes: its blocks,
+    then its own tail under the prompt's end (a key has an own tail only with a prompt end,
+    RoutingKey.own_tail), which identical prompts share. Only for a request with blocks: a prompt that
+    fills none stays out of the ledgers, so while only such prompts have been placed the ledgers stay
+    even, and the ring keeps each one on one backend. (Its end lets go of the entries `chosen` kept.)"""
     sizes = block_sizes(key.ends)[: len(key.blocks)]
-    return (*sizes, key.own_tail) if key.own_tail else sizes
+    if key.own_tail:
+        return (*key.blocks, key.prompt_end), (*sizes, key.own_tail)
+    return key.blocks, sizes
 
 
 class Picker:
@@ -255,8 +252,8 @@ class Picker:
         ledgers = self._ledgers
         if ledgers is None or not key.blocks:
             return None
-        entries = footprint_entries(key)
-        ledger = ledgers.hold(backend_id, entries, footprint_sizes(key))
+        entries, sizes = footprint(key)
+        ledger = ledgers.hold(backend_id, entries, sizes)
         if key.previous_prompt_end and key.ends[len(key.blocks) - 1] >= key.reply[0]:
             # The previous turn's prompt, its own tail too, is in this turn's blocks now: not twice.
             # (Short of them, it is still its own entry, and this turn's tail starts where it ended.)
