@@ -426,7 +426,7 @@ def test_a_stateless_responses_turn_finds_its_previous_turn_as_a_chat_does(
         k = key("/v1/responses", body)
         assert k.prompt_end != 0
         assert k.previous_prompt_end == (0 if previous is None else previous.prompt_end)
-        covered = k.ends[len(k.blocks) - 1] if k.blocks else 0
+        covered = k.blocks_end
         assert 0 <= k.own_tail <= k.size - covered
         previous = k
         items.append(
@@ -484,7 +484,7 @@ def test_a_chats_own_tail_is_its_last_message_past_the_last_block(
     question = "q" * question_chars
     messages = [("system", "s" * system_chars)] if system_chars else []
     k = key(CHAT, chat(*messages, ("user", question)))
-    covered = k.ends[len(k.blocks) - 1] if k.blocks else 0
+    covered = k.blocks_end
     message = len(ROLE_MARK["user"]) + question_chars
     assert k.own_tail == (message if own == "message" else k.size - covered)
     assert 0 < k.own_tail <= k.size - covered
@@ -505,7 +505,7 @@ def test_an_own_tail_is_what_lies_past_the_blocks_from_the_last_reply_or_message
     parts = [(ROLE_MARK[role] + content).encode("utf-8", "surrogatepass") for role, content in messages]
     starts = [sum(len(p) for p in parts[:i]) for i in range(len(parts))]
     assert k.size == sum(len(p) for p in parts)
-    covered = k.ends[len(k.blocks) - 1] if k.blocks else 0
+    covered = k.blocks_end
     replies = [i for i, (role, _) in enumerate(messages) if role == "assistant"]
     if replies:
         # From the last reply on: the previous turn's prompt ended there.

@@ -332,7 +332,7 @@ def test_short_questions_behind_one_cached_prompt_fill_their_backends_ledger() -
     hot = text(1, 1528)  # its message ends where the key's fourth block does, at 1,536 bytes
     for q in range(25):
         question = chat(("system", hot), ("user", f"Question {q}: " + text(200 + q, 150)))
-        assert question.ends[len(question.blocks) - 1] == 1536 and question.own_tail > 0
+        assert question.blocks_end == 1536 and question.own_tail > 0
         held = picker.chosen(question, hot_home)
         picker.placed(question, hot_home)
         picker.ended(held)
@@ -369,7 +369,7 @@ def test_a_conversation_is_counted_once_in_its_backends_ledger(
     first = chat(system, question)
     second = chat(system, question, ("assistant", text(7, reply_chars)), ("user", "And then?"))
     assert first.own_tail and second.previous_prompt_end == first.prompt_end
-    assert (second.ends[len(second.blocks) - 1] >= first.size) is blocks_reach_the_first_prompt
+    assert (second.blocks_end >= first.size) is blocks_reach_the_first_prompt
     ledgers = picker.ledgers
     assert ledgers is not None
     for turn in (first, second):

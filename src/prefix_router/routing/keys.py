@@ -85,6 +85,11 @@ class RoutingKey:
     # backend's share of the recent traffic, so its cache lives on few backends.
     minor_preamble: bool = field(default=False, compare=False)
 
+    @property
+    def blocks_end(self) -> int:
+        """Where the key's blocks end in its key material (0: it has none): past it, only the tail."""
+        return self.ends[len(self.blocks) - 1] if self.blocks else 0
+
     def covered_bytes(self, known_blocks: int) -> int:
         """Bytes of key material a backend holding the first `known_blocks` blocks has cached: those
         blocks, and the last reply when they reach into its first block (the previous turn's prompt
@@ -166,7 +171,7 @@ def extract_key(path: str, body: bytes, tenant: str | None, config: KeyConfig) -
                 # a client that keeps no state on the server sends the whole history each turn).
                 full, ends, root = encoded[: config.max_key_bytes], key.ends, _key_root(tenant, model)
                 key.prompt_end = prompt_end_hash(root, full, ends, key.blocks, len(full))
-                key.own_tail = own_tail_bytes(full, ends[len(key.blocks) - 1] if key.blocks else 0, reply)
+                key.own_tail = own_tail_bytes(full, key.blocks_end, reply)
                 if reply[1]:
                     key.previous_prompt_end = prompt_end_hash(root, full, ends, key.blocks, reply[0])
             return key

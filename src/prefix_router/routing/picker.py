@@ -254,7 +254,7 @@ class Picker:
             return None
         entries, sizes = footprint(key)
         ledger = ledgers.hold(backend_id, entries, sizes)
-        if key.previous_prompt_end and key.ends[len(key.blocks) - 1] >= key.reply[0]:
+        if key.previous_prompt_end and key.blocks_end >= key.reply[0]:
             # The previous turn's prompt, its own tail too, is in this turn's blocks now: not twice.
             # (Short of them, it is still its own entry, and this turn's tail starts where it ended.)
             ledgers.drop(backend_id, key.previous_prompt_end)
