@@ -188,7 +188,7 @@ async def test_multi_turn_conversation_follows_its_history(fake_backends, router
         assert len(homes) == 1, f"conversation {conv} moved between backends: {homes}"
 
 
-@pytest.mark.parametrize("api", ["chat", "responses"])
+@pytest.mark.parametrize("api", ["chat", "responses", "responses-tools"])
 async def test_a_conversation_opened_by_a_short_question_stays_on_its_backend(
     fake_backends, router, client, api: str
 ) -> None:
@@ -196,14 +196,16 @@ async def test_a_conversation_opened_by_a_short_question_stays_on_its_backend(
     holds no block of it, only who took it. The next turns still go there, while the other
     conversations' turns, interleaved, change what each cache holds. The same for the Responses API
     used without server-side state (`store: false`, each turn's `input` the whole history, the
-    answers as the output items it returned)."""
+    answers as the output items it returned), also as an agent runs it: each answer a reasoning
+    summary and a function call, each next turn the call's output and no new question."""
     backends = await fake_backends(8)
     r = await router(router_settings(backends, routing={"kv_capacity_tokens": 4096}))
     chats: list[list[dict[str, Any]]] = [[] for _ in range(12)]
     homes: list[list[str]] = [[] for _ in chats]
     for turn in range(4):
         for conv, messages in enumerate(chats):
-            messages.append({"role": "user", "content": f"Hi, question {turn} of chat {conv}?"})
+            if api != "responses-tools" or not turn:
+                messages.append({"role": "user", "content": f"Hi, question {turn} of chat {conv}?"})
             if api == "chat":
                 resp = await client.post(f"{r.url}{CHAT}", json={"model": "m", "messages": messages})
             else:
@@ -214,6 +216,22 @@ async def test_a_conversation_opened_by_a_short_question_stays_on_its_backend(
             answer = f"Answer {turn} of chat {conv}. " * 20
             if api == "chat":
                 messages.append({"role": "assistant", "content": answer})
+            elif api == "responses-tools":
+                call = f"call_{conv}_{turn}"
+                messages += [
+                    {
+                        "type": "reasoning",
+                        "id": f"rs_{call}",
+                        "summary": [{"type": "summary_text", "text": answer}],
+                    },
+                    {
+                        "type": "function_call",
+                        "call_id": call,
+                        "name": "read_file",
+                        "arguments": '{"path": "a.py"}',
+                    },
+                    {"type": "function_call_output", "call_id": call, "output": f"line {turn} of a.py"},
+                ]
             else:
                 messages.append(
                     {

@@ -434,6 +434,86 @@ def test_a_stateless_responses_turn_finds_its_previous_turn_as_a_chat_does(
         )
 
 
+# An agent's turn: the model's output items (a reasoning summary, a message, function calls; at least
+# one), each item's text.
+AGENT_ANSWERS = st.lists(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["reasoning", "message", "function_call"]), st.text(min_size=1, max_size=300)
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    min_size=1,
+    max_size=5,
+)
+
+
+def responses_output_item(kind: str, text: str, call_id: str) -> dict[str, Any]:
+    if kind == "reasoning":
+        return {
+            "type": "reasoning",
+            "id": f"rs_{call_id}",
+            "summary": [{"type": "summary_text", "text": text}],
+        }
+    if kind == "message":
+        return {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]}
+    return {
+        "type": "function_call",
+        "call_id": call_id,
+        "name": "run",
+        "arguments": orjson.dumps({"cmd": text}).decode(),
+    }
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    answers=AGENT_ANSWERS,
+    question=st.text(min_size=1, max_size=200),
+    api=st.sampled_from(["chat", "responses"]),
+)
+def test_an_agents_turn_after_tool_calls_finds_its_previous_turn(
+    answers: list[list[tuple[str, str]]], question: str, api: str
+) -> None:
+    """An agent's next request sends back what the model produced (reasoning, text, function calls)
+    and the tools' results, with no new question: it is the previous prompt's next turn all the same,
+    through the Responses API (its output items) as through chat (an assistant message with
+    `tool_calls`, then `tool` messages)."""
+    history: list[dict[str, Any]] = [{"role": "user", "content": question}]
+    previous: RoutingKey | None = None
+    for turn, answer in enumerate([*answers, []]):
+        if api == "chat":
+            k = key(CHAT, {"model": "m", "messages": history})
+        else:
+            k = key(
+                "/v1/responses", {"model": "m", "instructions": "Agent.", "input": history, "store": False}
+            )
+        assert k.prompt_end != 0
+        assert k.previous_prompt_end == (0 if previous is None else previous.prompt_end)
+        assert 0 <= k.own_tail <= k.size - k.blocks_end
+        previous = k
+        calls = [f"call_{turn}_{i}" for i, (kind, _) in enumerate(answer) if kind == "function_call"]
+        if api == "chat":
+            text = " ".join(t for kind, t in answer if kind != "function_call") or None
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if calls:
+                message["tool_calls"] = [
+                    {"id": c, "type": "function", "function": {"name": "run", "arguments": "{}"}}
+                    for c in calls
+                ]
+            history.append(message)
+            history += [{"role": "tool", "tool_call_id": c, "content": f"result of {c}"} for c in calls]
+        else:
+            history += [
+                responses_output_item(kind, t, f"call_{turn}_{i}") for i, (kind, t) in enumerate(answer)
+            ]
+            history += [
+                {"type": "function_call_output", "call_id": c, "output": f"result of {c}"} for c in calls
+            ]
+        if not calls:
+            history.append({"role": "user", "content": f"and then {turn}?"})
+
+
 @pytest.mark.parametrize(
     ("earlier", "later"),
     [
@@ -508,9 +588,16 @@ def test_an_own_tail_is_what_lies_past_the_blocks_from_the_last_reply_or_message
     covered = k.blocks_end
     replies = [i for i, (role, _) in enumerate(messages) if role == "assistant"]
     if replies:
-        # From the last reply on: the previous turn's prompt ended there.
-        if not any(ROLE_MARK["assistant"] in content for _, content in messages):
-            assert k.own_tail == k.size - max(covered, starts[replies[-1]])
+        # From the last reply on (a run of assistant messages is one reply, as some clients send one
+        # answer's text and its tool calls): the previous turn's prompt ended there.
+        first = replies[-1]
+        while first - 1 in replies:
+            first -= 1
+        separators = any(ROLE_MARK["assistant"] in content for _, content in messages) or any(
+            "\x1e" in messages[i][1] for i in range(first, replies[-1])
+        )
+        if not separators:
+            assert k.own_tail == k.size - max(covered, starts[first])
     else:
         # The last message; a separator in its content only makes it shorter.
         whole = k.size - max(covered, starts[-1])

@@ -250,14 +250,21 @@ def _first_exchange(text: str, limit: int, share: float | None) -> tuple[int, in
 
 
 def _reply_span(text: str, encoded: bytes, limit: int) -> tuple[int, int]:
-    """Byte span of the last assistant message starting in the first `limit` characters (the blocks
-    go no deeper); (0, 0) when there is none."""
-    start = text.rfind(_ASSISTANT, 0, limit)
-    if start < 0:
+    """Byte span of the last reply starting in the first `limit` characters (the blocks go no deeper):
+    the last assistant message, with the assistant items just before it (a Responses turn answers
+    with several: reasoning, a message, function calls); (0, 0) when there is none."""
+    last = text.rfind(_ASSISTANT, 0, limit)
+    if last < 0:
         return (0, 0)
-    end = text.find(_MSG, start + 1)
+    end = text.find(_MSG, last + 1)
     if end < 0:
         end = len(text)
+    start = last
+    while start > 0:
+        before = text.rfind(_MSG, 0, start)
+        if before < 0 or not text.startswith(_ASSISTANT, before):
+            break
+        start = before
     if len(encoded) == len(text):  # ASCII: characters are bytes
         return (start, end)
     return (
@@ -448,7 +455,10 @@ def _append_input(parts: list[str], value: Any) -> None:
         parts.append(_MSG + "input" + _FIELD + value)
     elif isinstance(value, list):
         for item in value:
-            if isinstance(item, dict) and ("role" in item or "content" in item):
+            if _is_model_output(item):
+                # The model's own output, sent back: part of the reply the previous turn generated.
+                parts.append(_ASSISTANT + _json_text(item))
+            elif isinstance(item, dict) and ("role" in item or "content" in item):
                 _append_message(parts, item)
             elif isinstance(item, str):
                 parts.append(_MSG + _FIELD + item)
@@ -456,6 +466,16 @@ def _append_input(parts: list[str], value: Any) -> None:
                 parts.append(_MSG + _json_text(item))
     elif value is not None:
         parts.append(_MSG + _json_text(value))
+
+
+# Responses items only the model produces (reasoning, and its calls of tools: `function_call`,
+# `web_search_call`, ...); their results (`function_call_output`, ...) are the client's input.
+_MODEL_OUTPUT_TYPES = frozenset({"reasoning", "mcp_list_tools", "mcp_approval_request"})
+
+
+def _is_model_output(item: Any) -> bool:
+    kind = item.get("type") if isinstance(item, dict) else None
+    return isinstance(kind, str) and (kind in _MODEL_OUTPUT_TYPES or kind.endswith("_call"))
 
 
 def _append_prompt(parts: list[str], prompt: Any) -> None:
