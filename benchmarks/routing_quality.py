@@ -35,6 +35,8 @@ with the command that reproduces it, printed and written to benchmarks/results/.
         --define-policy 'prefix_t05:routing.follow_threshold=0.5'
     # the same conversations through the Responses API, as a client keeping no state on the server
     python benchmarks/routing_quality.py --workloads multi_turn families --api responses
+    # ... and as an agent's turns: each answer a function call, each later question its output
+    python benchmarks/routing_quality.py --workloads multi_turn --api responses-tools
     # real vLLM: no layouts but the workload's seed; --reset-url-path empties the caches between runs
     # (vLLM needs VLLM_SERVER_DEV_MODE=1), so every run of a layout serves the same requests;
     # --prompt-scale shrinks every prompt; --tokenizer (the served model's) gives each run the oracle
@@ -216,8 +218,8 @@ class WorkloadSpec:
     fleet: SimConfig = field(default_factory=lambda: PLACEMENT_FLEET)
 
 
-def _through_responses(make: Callable[[int], Workload]) -> Callable[[int], Workload]:
-    return lambda layout: as_responses(make(layout))
+def _through_responses(make: Callable[[int], Workload], tool_calls: bool) -> Callable[[int], Workload]:
+    return lambda layout: as_responses(make(layout), tool_calls=tool_calls)
 
 
 def _maker(builder: Callable[..., Workload], seed: int, **kwargs: Any) -> Callable[[int], Workload]:
@@ -1086,8 +1088,10 @@ async def run(args: argparse.Namespace) -> int:
         raise SystemExit("--prompt-scale, --time-scale and --cache-ratio must be positive")
     if args.reset_url_path and not args.backends:
         raise SystemExit("--reset-url-path applies to --backends (the sim is always reset)")
-    if args.api == "responses" and (args.backends or args.trace):
-        raise SystemExit("--api responses runs the workloads on the sim (its oracle reads the chat shape)")
+    if args.api != "chat" and (args.backends or args.trace):
+        raise SystemExit(
+            f"--api {args.api} runs the workloads on the sim (its oracle renders as the sim does)"
+        )
     if args.tokenizer and not args.backends:
         raise SystemExit("--tokenizer applies to --backends (the sim's oracle uses the sim's tokenizer)")
     args.engine_fleet = (
@@ -1102,8 +1106,9 @@ async def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"unknown workloads {unknown}; known: {sorted(names)}")
     if args.workloads:
         specs = [s for s in specs if s.name in args.workloads]
-    if args.api == "responses":
-        specs = [dataclasses.replace(s, make=_through_responses(s.make)) for s in specs]
+    if args.api != "chat":
+        tool_calls = args.api == "responses-tools"
+        specs = [dataclasses.replace(s, make=_through_responses(s.make, tool_calls)) for s in specs]
     if not args.workloads and args.trace:
         specs = []  # --trace alone replays the trace only; name workloads to run them too
     if args.trace:
@@ -1297,11 +1302,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--api",
-        choices=("chat", "responses"),
+        choices=("chat", "responses", "responses-tools"),
         default="chat",
         help="send the workloads' conversations as chat completions, or through the Responses API as a "
         "client keeping no state on the server does (store: false, the whole history as input; the sim "
-        "only) (default: %(default)s)",
+        "only); responses-tools: as an agent's turns, each answer a function call and each later "
+        "question its output (default: %(default)s)",
     )
     return p  # fmt: skip
 

@@ -119,6 +119,29 @@ async def test_a_workload_through_the_responses_api_serves_the_chat_workloads_pr
     assert any(cached for _, cached in served["chat"]), "later turns hit their history"
 
 
+async def test_an_agent_form_of_a_workload_serves_what_the_oracle_renders() -> None:
+    """The agent form (`tool_calls`): each answer a function call, each later question its output, so
+    every turn after a conversation's first ends with a tool's result; the sim renders the items as
+    `prompt_blocks` does, so the oracle counts the prompts the sim serves, and later turns hit their
+    history."""
+    chats = multi_turn(conversations=3, min_turns=2, max_turns=3, system_tokens=16, max_tokens=2)
+    agents = as_responses(chats, tool_calls=True)
+    for request in agents.requests:
+        items = request.body["input"]
+        assert items[0]["role"] == "system" and items[1]["role"] == "user"
+        kinds = [item.get("type") for item in items[2:]]
+        assert kinds == ["function_call", "function_call_output"] * (len(kinds) // 2)
+    assert any(len(r.body["input"]) > 2 for r in agents.requests), "some turns follow a tool call"
+    async with SimFleet(FAST, count=1) as one, client_session() as session:
+        results = await run_closed_loop(session, one.urls[0], agents, concurrency=1)
+    assert all(r.ok for r in results), [r.error for r in results]
+    assert [r.prompt_tokens for r in results] == [prompt_blocks(r.body, 16)[0] for r in agents.requests]
+    assert [r.prompt_tokens for r in results] != [prompt_blocks(r.body, 16)[0] for r in chats.requests]
+    later = [r for r, req in zip(results, agents.requests, strict=True) if len(req.body["input"]) > 2]
+    assert all(r.cached_tokens > 0 for r in later), "each tool call's turn hits the turn before it"
+    assert oracle_hit_rate(agents, block_size=16, capacity_blocks=None).hit_rate > 0
+
+
 async def test_several_routers_take_requests_round_robin_by_index() -> None:
     # Three backends stand in for three routers: request i must reach URL i mod 3.
     workload = shared_prefix(groups=1, prompts_per_group=9, system_tokens=16, question_tokens=4, max_tokens=1)

@@ -196,6 +196,8 @@ def test_the_reproduce_command_names_every_choice(rq: ModuleType) -> None:
     assert "--trace t.jsonl --trace-limit 1500 --time-scale 0.1" in trace and "--workloads" not in trace
     assert "--api" not in cmd
     assert rq.reproduce_command(_args(layouts=3, api="responses"), "families").endswith("--api responses")
+    tools = rq.reproduce_command(_args(layouts=3, api="responses-tools"), "families")
+    assert tools.endswith("--api responses-tools")
 
 
 async def test_a_setting_the_router_does_not_know_is_unsupported_not_a_crash(rq: ModuleType) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import random
 from collections import OrderedDict
@@ -29,6 +30,7 @@ from typing import Any
 
 from prefix_router.sim.cache import hash_prompt_blocks
 from prefix_router.sim.config import SimConfig
+from prefix_router.sim.responses import input_messages
 from prefix_router.sim.tokens import BYTES_PER_TOKEN, ChatMessage, render_chat, tokenize_text
 
 DEFAULT_MODEL = "sim-llama"
@@ -61,14 +63,45 @@ class Workload:
         return len(self.requests)
 
 
-def as_responses(workload: Workload) -> Workload:
+def as_responses(workload: Workload, *, tool_calls: bool = False) -> Workload:
     """The same conversations through the Responses API, as a client that keeps no state on the
     server sends them (`store: false`): each turn's messages, answers included, as `input`. The sim
-    renders both alike, so the prompts, their blocks and the oracle are the chat workload's."""
+    renders both alike, so the prompts, their blocks and the oracle are the chat workload's.
+
+    With `tool_calls`, as an agent sends its turns: each answer is the model's function call (the
+    answer's text its arguments) and each later question that call's output, so no turn after a
+    conversation's first carries a new question. The sim renders the call and its output as JSON
+    (`prompt_blocks` alike), so the prompts are longer than the chat form's."""
+
+    def agent_items(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = []
+        calls = 0
+        for message in messages:
+            if message["role"] == "assistant":
+                calls += 1
+                arguments = json.dumps({"plan": message["content"]})
+                items.append(
+                    {
+                        "type": "function_call",
+                        "id": f"fc_{calls}",
+                        "call_id": f"call_{calls}",
+                        "name": "run",
+                        "arguments": arguments,
+                        "status": "completed",
+                    }
+                )
+            elif message["role"] == "user" and calls:
+                items.append(
+                    {"type": "function_call_output", "call_id": f"call_{calls}", "output": message["content"]}
+                )
+            else:
+                items.append(message)
+        return items
 
     def convert(body: dict[str, Any]) -> dict[str, Any]:
         out = {k: v for k, v in body.items() if k not in ("messages", "max_tokens")}
-        return out | {"input": body["messages"], "max_output_tokens": body["max_tokens"], "store": False}
+        items = agent_items(body["messages"]) if tool_calls else body["messages"]
+        return out | {"input": items, "max_output_tokens": body["max_tokens"], "store": False}
 
     requests = tuple(
         dataclasses.replace(r, body=convert(r.body), path=RESPONSES_PATH) for r in workload.requests
@@ -487,9 +520,16 @@ def cache_sensitive_config(
 
 
 def prompt_blocks(body: dict[str, Any], block_size: int) -> tuple[int, list[int]]:
-    """(prompt tokens, chained block hashes) of a chat body, exactly as the sim renders and hashes it."""
-    items = body["messages"] if "messages" in body else body["input"]
-    messages = [ChatMessage(str(m["role"]), str(m.get("content") or "")) for m in items]
+    """(prompt tokens, chained block hashes) of a chat or Responses body, exactly as the sim renders
+    and hashes it."""
+    if "messages" in body:
+        messages = [ChatMessage(str(m["role"]), str(m.get("content") or "")) for m in body["messages"]]
+    else:
+        instructions = body.get("instructions")
+        messages = (
+            [ChatMessage("system", instructions)] if isinstance(instructions, str) and instructions else []
+        )
+        messages += input_messages(body["input"])
     prompt = tokenize_text(render_chat(messages))
     salt = body.get("cache_salt")
     return prompt.num_tokens, hash_prompt_blocks(prompt, block_size, salt if isinstance(salt, str) else None)

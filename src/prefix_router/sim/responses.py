@@ -93,7 +93,7 @@ def parse_responses_request(body: bytes, config: SimConfig, store: ResponseStore
     instructions = fields.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise RequestRejected("`instructions` must be a string", param="instructions")
-    conversation = history + _input_messages(fields.get("input"))
+    conversation = history + input_messages(fields.get("input"))
     rendered = ([ChatMessage("system", instructions)] if instructions else []) + list(conversation)
     max_tokens = fields.get("max_output_tokens", config.default_max_tokens)
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
@@ -112,7 +112,9 @@ def parse_responses_request(body: bytes, config: SimConfig, store: ResponseStore
     )
 
 
-def _input_messages(value: Any) -> tuple[ChatMessage, ...]:
+def input_messages(value: Any) -> tuple[ChatMessage, ...]:
+    """The messages a Responses `input` renders as (the benchmarks' oracle renders it alike); raises
+    RequestRejected for an input the simulator does not take."""
     if isinstance(value, str) and value:
         return (ChatMessage("user", value),)
     if not isinstance(value, list) or not value:
