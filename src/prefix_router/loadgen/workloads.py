@@ -30,7 +30,7 @@ from typing import Any
 
 from prefix_router.sim.cache import hash_prompt_blocks
 from prefix_router.sim.config import SimConfig
-from prefix_router.sim.responses import input_messages
+from prefix_router.sim.responses import input_messages, rendered_messages
 from prefix_router.sim.tokens import BYTES_PER_TOKEN, ChatMessage, render_chat, tokenize_text
 
 DEFAULT_MODEL = "sim-llama"
@@ -525,11 +525,7 @@ def prompt_blocks(body: dict[str, Any], block_size: int) -> tuple[int, list[int]
     if "messages" in body:
         messages = [ChatMessage(str(m["role"]), str(m.get("content") or "")) for m in body["messages"]]
     else:
-        instructions = body.get("instructions")
-        messages = (
-            [ChatMessage("system", instructions)] if isinstance(instructions, str) and instructions else []
-        )
-        messages += input_messages(body["input"])
+        messages = rendered_messages(body.get("instructions"), input_messages(body["input"]))
     prompt = tokenize_text(render_chat(messages))
     salt = body.get("cache_salt")
     return prompt.num_tokens, hash_prompt_blocks(prompt, block_size, salt if isinstance(salt, str) else None)

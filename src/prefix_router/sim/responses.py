@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,7 +94,7 @@ def parse_responses_request(body: bytes, config: SimConfig, store: ResponseStore
     if instructions is not None and not isinstance(instructions, str):
         raise RequestRejected("`instructions` must be a string", param="instructions")
     conversation = history + input_messages(fields.get("input"))
-    rendered = ([ChatMessage("system", instructions)] if instructions else []) + list(conversation)
+    rendered = rendered_messages(instructions, conversation)
     max_tokens = fields.get("max_output_tokens", config.default_max_tokens)
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise RequestRejected("`max_output_tokens` must be a positive integer", param="max_output_tokens")
@@ -110,6 +110,12 @@ def parse_responses_request(body: bytes, config: SimConfig, store: ResponseStore
         store=fields.get("store", True) is not False and config.responses_store,
         cache_salt=parse_cache_salt(fields),
     )
+
+
+def rendered_messages(instructions: str | None, conversation: Sequence[ChatMessage]) -> list[ChatMessage]:
+    """What the engine renders for a Responses request: `instructions` as the system message, then
+    the conversation (the benchmarks' oracle renders a request alike)."""
+    return ([ChatMessage("system", instructions)] if instructions else []) + list(conversation)
 
 
 def input_messages(value: Any) -> tuple[ChatMessage, ...]:
