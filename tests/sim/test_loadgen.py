@@ -19,6 +19,7 @@ from prefix_router.loadgen.drivers import (
     measure,
     parse_router_counters,
     quantile,
+    reset_backends,
     reset_sim,
     run_closed_loop,
     run_open_loop,
@@ -257,6 +258,34 @@ async def test_reset_path_empties_external_backends_between_runs(fleet: SimFleet
     assert first.requests == again_cold.requests == 6
     assert again_cold.hit_rate == pytest.approx(first.hit_rate)
     assert again_warm.hit_rate > first.hit_rate  # no reset: it hit what the first run cached
+
+
+async def test_a_reset_whose_pooled_connection_the_engine_closed_is_sent_again() -> None:
+    """The engine closes the first connection without an answer, as uvicorn closes one idle for its
+    keep-alive timeout just as the next run reuses it: the reset goes again on a new connection
+    instead of failing the whole benchmark."""
+    connections = 0
+    resets: list[bytes] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        head = await reader.readuntil(b"\r\n\r\n")
+        if connections > 1:
+            resets.append(head.split(b" ", 2)[1])
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with client_session() as session:
+            await reset_backends(session, [f"http://127.0.0.1:{port}"], "reset_prefix_cache")
+    finally:
+        server.close()
+    assert connections == 2
+    assert resets == [b"/reset_prefix_cache"]
 
 
 def test_balanced_placement_keeps_groups_whole_and_balances_requests() -> None:

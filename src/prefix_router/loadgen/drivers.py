@@ -405,11 +405,20 @@ async def reset_sim(session: aiohttp.ClientSession, urls: Sequence[str]) -> None
 
 
 async def reset_backends(session: aiohttp.ClientSession, urls: Sequence[str], path: str) -> None:
-    """POST `path` on every backend: e.g. vLLM's /reset_prefix_cache (VLLM_SERVER_DEV_MODE=1)."""
+    """POST `path` on every backend: e.g. vLLM's /reset_prefix_cache (VLLM_SERVER_DEV_MODE=1).
+
+    Once more, on a connection of its own, when the pooled one was closed under it: the session
+    outlives a run, and an engine closes a connection idle for its keep-alive timeout (uvicorn's
+    5 s) just as the next run reuses it. A reset is idempotent; aiohttp retries no POST itself."""
     path = path if path.startswith("/") else "/" + path
     for url in urls:
-        async with session.post(f"{url.rstrip('/')}{path}") as resp:
-            resp.raise_for_status()
+        target = f"{url.rstrip('/')}{path}"
+        try:
+            async with session.post(target) as resp:
+                resp.raise_for_status()
+        except aiohttp.ServerDisconnectedError:
+            async with client_session(limit=1) as fresh, fresh.post(target) as resp:
+                resp.raise_for_status()
 
 
 # -- the summary ---------------------------------------------------------------------------------------
