@@ -269,6 +269,40 @@ def test_cache_room_respects_the_load_bound() -> None:
     assert decision is not None and decision.branch is Branch.FALLBACK
 
 
+def test_with_no_kv_room_anywhere_a_new_prompt_waits_behind_the_fewest_requests() -> None:
+    """Both caches are held whole by their requests in flight. The backend serving a hot system
+    prompt holds the fewest bytes (its five requests share the prompt), but a new prompt sent there
+    waits behind five requests, against two on the other: it goes where fewer run."""
+    ring, cands = fleet(2)
+    picker = Picker(BalanceConfig())
+    hot, cold = cands.ids
+    for backend in cands.ids:
+        picker.set_capacity(backend, 5_000)
+    load = LoadTracker()
+    system = ("system", text(20, 3000))
+    for q in range(5):
+        question = chat(system, ("user", text(30 + q, 40)))
+        picker.chosen(question, hot)
+        picker.placed(question, hot)
+        load.acquire(hot)
+    for g in range(2):
+        own = chat(("system", text(40 + g, 2500)), ("user", "q"))
+        picker.chosen(own, cold)
+        picker.placed(own, cold)
+        load.acquire(cold)
+    assert picker.ledgers is not None
+    assert picker.ledgers.held_bytes(hot) < picker.ledgers.held_bytes(cold)
+    new = chat(("system", text(50, 3000)), ("user", "q"))
+    decision = picker.pick(new, ring, cands, load)
+    assert decision is not None and decision.branch is Branch.CACHE_ROOM
+    assert decision.backend_id == cold
+    # Two more in flight on the cold one, and the hot one has the fewer requests ahead.
+    for _ in range(4):
+        load.acquire(cold)
+    decision = picker.pick(new, ring, cands, load)
+    assert decision is not None and decision.backend_id == hot
+
+
 def test_new_conversations_behind_a_shared_system_prompt_go_to_its_roomiest_owner() -> None:
     """A system prompt that covers most of a first turn is followed; once two backends hold it,
     each new conversation goes to the owner whose cache has more room (where it will grow), not

@@ -337,7 +337,9 @@ class PrefixPolicy:
         one fewer requests are held for a prefill on (the ledgers do not hold their blocks yet), then
         to the walk's order, so an empty fleet places by the ring. A backend whose requests in flight
         leave no room for a prompt of `size` bytes ranks after those that do: the prompt would queue
-        there for KV room behind them."""
+        there for KV room behind them. Among such backends, the fewest requests in flight or held for
+        a prefill first, not the fewest bytes held: the many requests behind one hot prompt hold few
+        bytes between them, yet the prompt waits behind every one of them."""
         assert self._ledgers is not None
         rank = self._ledgers.rank
         held_for_prefill = load.held_for_prefill
@@ -352,10 +354,9 @@ class PrefixPolicy:
             seen += 1
             if fits(backend):
                 r = rank(backend)
+                if r[0] == 2 or free_now.get(backend, no_limit) < size:
+                    r = (2, float(load.load(backend) + held_for_prefill(backend)))
                 if best_order is None or r <= best_order[0]:
-                    # Looked at only for a backend that might win: most lose on rank alone.
-                    if r[0] < 2 and free_now.get(backend, no_limit) < size:
-                        r = (2, float(self._ledgers.held_bytes(backend)))
                     order = (r, held_for_prefill(backend))
                     if best_order is None or order < best_order:
                         best, best_order = backend, order
