@@ -354,12 +354,12 @@ class PrefixPolicy:
             seen += 1
             if fits(backend):
                 r = rank(backend)
+                held = held_for_prefill(backend)
                 if r[0] == 2 or free_now.get(backend, no_limit) < size:
-                    r = (2, float(load.load(backend) + held_for_prefill(backend)))
-                if best_order is None or r <= best_order[0]:
-                    order = (r, held_for_prefill(backend))
-                    if best_order is None or order < best_order:
-                        best, best_order = backend, order
+                    r = (2, float(load.load(backend) + held))
+                order = (r, held)
+                if best_order is None or order < best_order:
+                    best, best_order = backend, order
             if seen >= ROOM_CHOICES and best is not None:
                 break
         return best
