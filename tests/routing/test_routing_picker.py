@@ -250,26 +250,34 @@ def test_prefix_match_prefers_the_first_holder_within_the_bound() -> None:
 
 
 @pytest.mark.parametrize(
-    ("in_flight_there", "owner_load", "follows"),
+    ("in_flight_there", "shared", "owner_load", "follows"),
     [
-        pytest.param(True, 6, True, id="held-past-the-relative-bound"),
-        pytest.param(True, 7, True, id="held-just-under-max-inflight"),
-        pytest.param(True, 8, False, id="held-at-max-inflight"),
-        pytest.param(False, 0, True, id="cached-within-the-relative-bound"),
-        pytest.param(False, 6, False, id="cached-only-past-the-relative-bound"),
+        pytest.param(True, True, 6, True, id="held-past-the-relative-bound"),
+        pytest.param(True, True, 7, True, id="held-just-under-max-inflight"),
+        pytest.param(True, True, 8, False, id="held-at-max-inflight"),
+        pytest.param(False, True, 0, True, id="cached-within-the-relative-bound"),
+        pytest.param(False, True, 6, False, id="shared-prefix-cached-only-past-the-relative-bound"),
+        pytest.param(False, False, 6, True, id="own-history-past-the-relative-bound"),
+        pytest.param(False, False, 8, False, id="own-history-at-max-inflight"),
     ],
 )
-def test_an_owner_takes_its_prefix_past_the_relative_bound_while_a_request_there_holds_it(
-    in_flight_there: bool, owner_load: int, follows: bool
+def test_an_owner_takes_its_prefix_past_the_relative_bound_while_held_there_or_its_own_history(
+    in_flight_there: bool, shared: bool, owner_load: int, follows: bool
 ) -> None:
     # 8 backends, no floor: with 6 in flight all on the owner the relative bound is
     # ceil(1.25 * 7 / 8) = 2. A prefix a running request holds is surely cached there: a warm queue
-    # under max_inflight beats a cold prefill. One only remembered as placed there may have been
-    # evicted by the prompts running on so busy a backend: it keeps the relative bound.
+    # under max_inflight beats a cold prefill. One only remembered as placed there, that other
+    # prompts went on from (a group's shared prompt), may have been evicted by the prompts running on
+    # so busy a backend, and following it would pile the group there: it keeps the relative bound.
+    # One prompt's own history, nothing else went on from, is one conversation's next turn: it herds
+    # nothing, and its owner's queue costs less than prefilling the whole history elsewhere.
     config = BalanceConfig(max_inflight=8, load_floor=0)
     picker = Picker(config)
     key = bare_key(7, blocks=(1, 2, 3))
     owner = list(RING.walk(7))[-1]
+    if shared:  # two prompts went on from block 3 in different ways
+        for tail in (40, 41):
+            own(picker, bare_key(7, blocks=(1, 2, 3, tail)), owner, in_flight_there)
     own(picker, key, owner, in_flight_there)
     decision = picker.pick(key, RING, ALL, tracker_with({owner: owner_load}))
     assert decision is not None
@@ -278,6 +286,32 @@ def test_an_owner_takes_its_prefix_past_the_relative_bound_while_a_request_there
     else:
         assert decision.backend_id != owner
         assert decision.branch is Branch.CACHE_ROOM
+
+
+@pytest.mark.parametrize(
+    ("capacity", "follows"),
+    [
+        # The history (3 blocks, 768 bytes) is cached there, another request in flight holds 512
+        # bytes, and the next turn has 1,024: 1,400 - 512 leaves it no room, 2,000 - 512 does.
+        pytest.param(2_000, True, id="room-for-the-turn-follows"),
+        pytest.param(1_400, False, id="no-room-for-the-turn-keeps-the-bound"),
+    ],
+)
+def test_a_history_past_the_relative_bound_is_followed_only_where_the_turn_fits_now(
+    capacity: int, follows: bool
+) -> None:
+    """Where the requests in flight leave the owner no KV room for the next turn, it would queue
+    there for room and evict what other conversations left: the relative bound holds."""
+    picker = Picker(BalanceConfig(max_inflight=8, load_floor=0))
+    owner = list(RING.walk(7))[-1]
+    picker.set_capacity(owner, capacity)
+    own(picker, bare_key(7, blocks=(1, 2, 3)), owner, in_flight=False)
+    own(picker, bare_key(9, blocks=(90, 91)), owner, in_flight=True)  # holds 512 bytes there
+    turn = bare_key(7, blocks=(1, 2, 3, 4))
+    decision = picker.pick(turn, RING, ALL, tracker_with({owner: 6}))
+    assert decision is not None
+    assert (decision.backend_id == owner) is follows
+    assert decision.branch is (Branch.PREFIX_MATCH if follows else Branch.CACHE_ROOM)
 
 
 @pytest.mark.parametrize(

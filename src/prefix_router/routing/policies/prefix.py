@@ -18,11 +18,13 @@ Order of preference:
    has room), the first holder on a tie; without, the first holder first. With `first_placement:
    ring`, only a prefix that reaches the ring key's end is followed (`covers_ring_key`). An owner
    takes the request within the relative bound, and up to `max_inflight` while a request in flight
-   there holds the prefix: waiting in a warm engine's queue costs less than a cold prefill elsewhere,
-   and a hot prefix spread by the relative bound over more backends takes their caches from the
-   prefixes placed there. With `hold`, an owner at `max_inflight` that holds the prefix that way is
-   waited for (`Decision.wait_owner`) while no backend is clearly less busy (`spill_level`): with
-   every backend about as full, a spill starts no sooner and only trades a warm queue for a cold one;
+   there holds the prefix or, with cache room, the prefix is one prompt's own history
+   (`_is_own_history`) and the requests in flight there leave KV room for the request: waiting in a
+   warm engine's queue costs less than a cold prefill elsewhere, and a hot prefix spread by the
+   relative bound over more backends takes their caches from the prefixes placed there. With
+   `hold`, an owner at `max_inflight` where a request in flight holds the prefix is waited for
+   (`Decision.wait_owner`) while no backend is clearly less busy (`spill_level`): with every
+   backend about as full, a spill starts no sooner and only trades a warm queue for a cold one;
 2. a prefix no backend holds enough of goes, with `first_placement: cache_room`, to the backend of
    the first ROOM_CHOICES of the key's ring walk whose cache keeps things longest (`cache_room`), ties
    to the one fewer requests are held for a prefill on (`LoadTracker.held_for_prefill`: bound to go
@@ -206,13 +208,22 @@ class PrefixPolicy:
                             break
 
             def admits(owner: str, depth: int) -> bool:
-                # Past the relative bound only while a request in flight there holds the prefix:
-                # then it is surely cached (pinned), and the owner's queue is the cheaper wait.
-                # Otherwise a cache that busy is likely turning over under its running prompts,
-                # and piling a group's requests on it queues them for KV room behind cold prefills.
+                # Past the relative bound (up to max_inflight) only for a prefix whose owner's queue
+                # is the cheaper wait: one a request in flight there holds (surely cached, pinned),
+                # or one prompt's own history (`_is_own_history`) where the requests in flight leave
+                # KV room for the request. A prefix a group shares keeps the bound: a cache that busy
+                # is likely turning over under its running prompts, and piling the group's requests
+                # on it queues them for KV room behind cold prefills.
                 after = load_of(owner) + 1
-                return after <= under_floor or (
-                    after <= follow_limit and (fits(owner) or self._holds(owner, key.blocks[depth - 1]))
+                if after <= under_floor:
+                    return True
+                if after > follow_limit:
+                    return False
+                block = key.blocks[depth - 1]
+                return (
+                    fits(owner)
+                    or self._holds(owner, block)
+                    or (self._is_own_history(block) and self._has_room_now(owner, key.size))
                 )
 
             def waits_for(owner: str, depth: int) -> bool:
@@ -319,6 +330,21 @@ class PrefixPolicy:
         clearly less busy (at or under the spill level, the request placed)?"""
         least = min((load_of(b) for b in backends if b != owner), default=math.inf)
         return least + 1 <= self._config.max_inflight and not spill_ok(least, self._spill_level)
+
+    def _is_own_history(self, block: int) -> bool:
+        """With cache room, is a known prefix ending at `block` one prompt's own history, which nothing
+        else went on from? A conversation sends one request at a time, so following it past the
+        relative bound herds no group onto the owner; and the ledgers age an owner out once its cache
+        has turned over, so the owner still holds it. Its prefill elsewhere costs the whole history
+        (a long conversation's next turn is most of its prompt), a place in the owner's queue less."""
+        index = self._index
+        return self._by_room and index is not None and not index.branches(block)
+
+    def _has_room_now(self, backend: str, size: int) -> bool:
+        """Do the requests in flight on the backend leave KV room for a prompt of `size` bytes (as a
+        first placement by cache room asks)? Without it the request would queue there for room, and
+        evict what other conversations left."""
+        return self._free_now.get(backend, _NO_LIMIT) >= size
 
     def _holds(self, backend: str, block: int) -> bool:
         """Does a request in flight on the backend hold this block (without ledgers: assume so)?"""
