@@ -33,17 +33,31 @@ def run_cli(
     )
 
 
+@contextmanager
+def interruptible_children() -> Iterator[None]:
+    """Start children with SIGINT at its default, as a terminal's foreground process has it. A test run
+    started as a script's background job ignores SIGINT, and a child inherits an ignored signal
+    (a handled one is reset to the default at exec): the child would never see the Ctrl-C sent."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        if before is not None:  # None: a handler installed outside Python, which cannot be put back
+            signal.signal(signal.SIGINT, before)
+
+
 class Running:
     """A started command whose stdout and stderr lines are collected as they come."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
-        self.proc = subprocess.Popen(
-            [*CLI, *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env if env is not None else clean_env(),
-        )
+        with interruptible_children():
+            self.proc = subprocess.Popen(
+                [*CLI, *args],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env if env is not None else clean_env(),
+            )
         self.lines: Queue[tuple[str, str]] = Queue()
         self.stdout: list[str] = []
         self.stderr: list[str] = []
