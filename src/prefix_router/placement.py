@@ -36,6 +36,7 @@ from prefix_router.routing.shared_view import (
     Takeover,
     after_prefill,
     claim_request,
+    followed_history,
     resolve,
     stale_follow,
 )
@@ -493,11 +494,16 @@ class Placer:
         if stale_follow(local, answer):
             picker.forget_placed(key, local.backend_id, answer.depth)
         full = answer.full
+        history = answer.chosen if followed_history(request, answer) else None
 
         def follows(backend_id: str) -> bool:
             # An owner the store's count of the fleet puts at the limit is full, whatever this
             # replica's own view says: every replica must see it so.
-            return backend_id not in full and picker.may_follow(backend_id, candidates, load)
+            if backend_id in full:
+                return False
+            if backend_id == history:
+                return picker.may_follow_history(backend_id, key, candidates, load)
+            return picker.may_follow(backend_id, candidates, load)
 
         resolution = resolve(
             local,

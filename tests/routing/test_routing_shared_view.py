@@ -16,9 +16,11 @@ from prefix_router.routing.picker import ROOM_CHOICES, Branch, Candidates, Decis
 from prefix_router.routing.ring import HashRing, Member
 from prefix_router.routing.shared_view import (
     ClaimAnswer,
+    ClaimRequest,
     Takeover,
     after_prefill,
     claim_request,
+    followed_history,
     parse_answer,
     resolve,
     stale_follow,
@@ -230,6 +232,38 @@ def test_a_shared_owner_is_followed_as_a_local_one_up_to_max_inflight() -> None:
     assert picker.may_follow("B", cands, load)
     for lease in leases:
         lease.release()
+
+
+def test_an_owner_followed_for_its_history_alone_takes_it_within_the_bound_or_where_it_has_room() -> None:
+    """The store followed a conversation's own history that covers under the follow threshold
+    (`continued`): its owner takes the request as one router admits its own index's owner of it."""
+    picker = Picker(BalanceConfig(max_inflight=4, load_floor=1, load_factor=1.0))
+    cands = Candidates.of(["A", "B"])
+    load = LoadTracker()
+    key = chat("s" * 600, "q" * 3000)
+    picker.set_capacity("A", 10.0 * key.size)
+    leases = [load.acquire("A") for _ in range(2)]
+    assert not picker.may_place(("A",), cands, load)[0]  # past the relative bound
+    assert picker.may_follow_history("A", key, cands, load)  # its requests in flight leave room
+    picker.shared_held([("A", 9 * key.size + 1)])  # other replicas' requests fill it
+    assert not picker.may_follow_history("A", key, cands, load)
+    assert picker.may_follow("A", cands, load)  # a prefix that covers the request is still followed
+    for lease in leases:
+        lease.release()
+    assert picker.may_follow_history("A", key, cands, load)  # within the bound: room does not matter
+    picker.shared_held([])
+    leases = [load.acquire("A") for _ in range(4)]
+    assert not picker.may_follow_history("A", key, cands, load)  # at max_inflight
+    for lease in leases:
+        lease.release()
+
+
+def test_the_answer_says_whether_the_store_followed_a_history_for_continued_alone() -> None:
+    request = ClaimRequest((1, 2, 3), (10, 10, 10), "001", "Y", 1.0, (), continued=True)
+    history = ClaimAnswer("X", 2, True, ())
+    assert followed_history(request, history)
+    assert not followed_history(request, ClaimAnswer("X", 3, True, ()))  # the table followed it
+    assert not followed_history(request, ClaimAnswer("Y", 2, False, ()))  # nothing followed
 
 
 FOLLOWED = Decision("X", Branch.PREFIX_MATCH)  # this replica's own index followed its owner X

@@ -190,3 +190,29 @@ async def test_chats_opened_by_a_short_question_stay_on_one_backend_across_route
     moved = {conv: seen for conv, seen in enumerate(homes) if len(set(seen)) > 1}
     assert not moved, f"conversations moved between backends: {moved}"
     assert len({seen[0] for seen in homes}) > 1  # they spread: agreement on one backend proves nothing
+
+
+async def test_turns_longer_than_their_history_stay_on_one_backend_across_routers(
+    fake_backends: Any, router: Any, client: httpx.AsyncClient, redis_server: RedisServer
+) -> None:
+    """Every conversation starts with one system prompt, and each turn brings more new text than its
+    history holds (a document pasted in, a tool's long output), so no history covers half of its next
+    request. The history is still that conversation's own: one router follows it, and so must the
+    router that gets the next turn when another placed the last one."""
+    backends = await fake_backends(4)
+    routers = await _routers(router, backends, redis_server.url)
+    system = _system(0, 600)
+    homes: list[list[str]] = []
+    for conv in range(8):
+        messages = [{"role": "system", "content": system}]
+        seen = []
+        for turn in range(3):
+            document = _system(100 + conv, 2000 * 3**turn)
+            pasted = f"Conversation {conv}, turn {turn}, a document to read: {document}"
+            messages.append({"role": "user", "content": pasted})
+            seen.append(await _send(client, routers[(conv + turn) % 3], messages))
+            messages.append({"role": "assistant", "content": f"answer {turn} of {conv}. " * 20})
+        homes.append(seen)
+    moved = {conv: seen for conv, seen in enumerate(homes) if len(set(seen)) > 1}
+    assert not moved, f"conversations moved between backends: {moved}"
+    assert len({seen[0] for seen in homes}) > 1  # they spread: a shared system prompt herds none

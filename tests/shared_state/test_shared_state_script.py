@@ -136,6 +136,47 @@ async def test_the_follow_table_decides_and_owned_blocks_stay(store: Any, raw: R
     assert await owners(raw, [9]) == ["Y"]
 
 
+async def test_a_prompts_own_history_is_followed_whatever_share_it_covers(store: Any, raw: Redis) -> None:
+    """A conversation's next turn, its history placed through another replica: with `continued`, the
+    owner of a prefix that ends where a prompt claimed before ended, and that nothing went on from
+    since, is followed however little of the request it covers. A system prompt new conversations
+    share, or a prefix that went on another way before, needs the follow table."""
+    a, b = await store(), await store()
+
+    def turn(blocks: list[int], proposed: str, continued: bool = True) -> ClaimRequest:
+        request = claim(blocks, proposed, follow="0" * len(blocks))
+        return dataclasses.replace(request, continued=continued)
+
+    await claimed(a, claim([1, 2], "X"))  # the first turn: a system prompt (1) and a question (2)
+    second = await claimed(b, turn([1, 2, 3, 4, 5], "Y"))
+    assert (second.chosen, second.depth, second.followed) == ("X", 2, True)
+    assert await owners(raw, [3, 4, 5]) == ["X"] * 3
+    # Another conversation on the same system prompt, which no prompt ended with: placed by the replica.
+    other = await claimed(a, turn([1, 6, 7], "Z"))
+    assert (other.chosen, other.depth, other.followed) == ("Z", 1, False)
+    assert (await claimed(b, turn([1, 6, 7, 8, 9], "W"))).chosen == "Z"
+    # Without `continued` (placements by the ring), the follow table alone decides, as before.
+    ring = await claimed(b, turn([1, 6, 7, 8, 9, 10, 11], "W", continued=False))
+    assert (ring.chosen, ring.depth, ring.followed) == ("W", 5, False)
+    # That claim went on from block 9: the same history resumed another way is no longer one prompt's.
+    resumed = await claimed(b, turn([1, 6, 7, 8, 9, 12, 13], "V"))
+    assert (resumed.chosen, resumed.depth, resumed.followed) == ("V", 5, False)
+
+
+async def test_a_history_whose_end_aged_out_is_placed_anew(store: Any, raw: Redis) -> None:
+    """What is still owned of it ends inside the prompt, where no prompt ended: the owner is evicting
+    the prompt, and the request goes where the replica places it (unless the table follows it)."""
+    shared = await store()
+    await served(shared, raw, claim([1, 2, 3, 4], "X", capacity=400))
+    assert await raw.get(f"{NAMESPACE}end:4") == "0"
+    await served(shared, raw, claim([1, 2, 9, 10], "X", follow="0000", capacity=400))  # pushes 3, 4 out
+    assert await owners(raw, [1, 2, 3, 4]) == ["X", "X", None, None]
+    assert await raw.get(f"{NAMESPACE}end:4") is None  # gone with its owner
+    request = dataclasses.replace(claim([1, 2, 3, 4, 11], "Y", follow="00000"), continued=True)
+    answer = await claimed(shared, request)
+    assert (answer.chosen, answer.depth, answer.followed) == ("Y", 2, False)
+
+
 async def test_eviction_drops_the_owners_that_name_the_backend(store: Any, raw: Redis) -> None:
     shared = await store()
     await served(shared, raw, claim([50], "Y"))  # Y owns 50

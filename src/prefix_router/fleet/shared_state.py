@@ -29,7 +29,8 @@ gone leaves none. A claim the replica stopped waiting for is given up (`x:<repli
 receipt `pc:<replica>:<claim>` says where it pinned): it pins nothing if it runs later, and its pins go
 if it ran.
 
-Keys, under NAMESPACE: `o:<block>` the block's owner; per backend `lru:<backend>` (a sorted set of
+Keys, under NAMESPACE: `o:<block>` the block's owner, `end:<block>` whether a claim went on past
+the last block of a prompt (gone with the owner); per backend `lru:<backend>` (a sorted set of
 blocks by the shared clock's reading of their last use), `size:<backend>` (bytes of each block); `used`,
 `count` and `cap` (hashes by backend: bytes placed, entries, capacity); `clock`; `p:<block>`, `e:<mark>`
 (a prefill said ended), `w:<mark>` (requests held for it, per replica), `ld:<replica>`, `cl:<replica>`,
@@ -138,7 +139,7 @@ local function record(backend, cap, max_entries, blocks, sizes)
       redis.call('HDEL', sz, block)
       local owner_key = ns .. 'o:' .. block
       if redis.call('GET', owner_key) == backend then
-        redis.call('DEL', owner_key)
+        redis.call('DEL', owner_key, ns .. 'end:' .. block)
       end
     end
   end
@@ -271,25 +272,25 @@ local function peer_loads(me)
 end
 """
 
-# ARGV: namespace, proposed backend, its capacity (bytes), max entries, follow table, the blocks, their
-# sizes, the listed backends, the request's mark ('' none), wait ('1': report a pending prefill), marks'
-# lifetime (ms), this replica, its in-flight pairs (with pairs of 'held <backend>' and the bytes its
-# requests in flight hold there), their lifetime (ms), the follow limit ('0': none), its other claims
-# awaiting their answer (pairs of claim id and backend proposed), this claim's id, the pins' lifetime (ms;
-# '': the request's blocks are not pinned on the chosen backend), the lifetime of the receipt of where they
-# were pinned and of a give-up (ms, GIVE_UP_SCRIPT), the listed backends a first placement may go to
-# ('0'/'1' each; '': the proposed backend stands) and their capacities, the end of the previous turn's
-# prompt whose taker a first placement follows ('': none). The reply is one newline-joined string: chosen,
-# depth, followed, the mark to wait for ('-' none), marked, the bytes this claim added to the chosen
-# backend's footprint, which listed backends also hold the prefix followed (one '0' or '1' each; '-' when
-# none was followed), the backend the request is counted on, which listed backends the fleet's counts put at
-# the follow limit (bits again; '-' without a limit), the bytes the request takes there (held for it), '1'
-# if it went to the previous turn's taker; bytes used, oldest use and entries of each listed backend; then
-# backend and count pairs of the others' in-flight requests, and 'held <backend>' and the bytes those hold
-# there. The replica's own counts are written with its request counted on the chosen backend, or, when that
-# owner is at the follow limit, on the first holder under it: where the replica will send it
-# (routing/shared_view.py, `resolve`), so that the claims other replicas make before this one's next write
-# see it there.
+# ARGV: namespace, proposed backend, its capacity (bytes), max entries, follow table, the blocks, their sizes,
+# the listed backends, the request's mark ('' none), wait ('1': report a pending prefill), marks' lifetime
+# (ms), this replica, its in-flight pairs (with pairs of 'held <backend>' and the bytes its requests in flight
+# hold there), their lifetime (ms), the follow limit ('0': none), its other claims awaiting their answer
+# (pairs of claim id and backend proposed), this claim's id, the pins' lifetime (ms; '': the request's blocks
+# are not pinned on the chosen backend), the lifetime of the receipt of where they were pinned and of a
+# give-up (ms, GIVE_UP_SCRIPT), the listed backends a first placement may go to ('0'/'1' each; '': the
+# proposed backend stands) and their capacities, the end of the previous turn's prompt whose taker a first
+# placement follows ('': none), '1' when an owned prefix nothing else went on from is followed whatever share
+# it covers (ClaimRequest.continued). The reply is one newline-joined string: chosen, depth, followed, the
+# mark to wait for ('-' none), marked, the bytes this claim added to the chosen backend's footprint, which
+# listed backends also hold the prefix followed (one '0' or '1' each; '-' when none was followed), the backend
+# the request is counted on, which listed backends the fleet's counts put at the follow limit (bits again; '-'
+# without a limit), the bytes the request takes there (held for it), '1' if it went to the previous turn's
+# taker; bytes used, oldest use and entries of each listed backend; then backend and count pairs of the
+# others' in-flight requests, and 'held <backend>' and the bytes those hold there. The replica's own counts
+# are written with its request counted on the chosen backend, or, when that owner is at the follow limit, on
+# the first holder under it: where the replica will send it (routing/shared_view.py, `resolve`), so that the
+# claims other replicas make before this one's next write see it there.
 CLAIM_SCRIPT = (
     _RECORD
     + f"local FULL_SHARE = {FULL_SHARE!r}\n"
@@ -314,9 +315,18 @@ for i = n, 1, -1 do
   if owners[i] then depth = i; break end
 end
 local chosen, followed = proposed, 0
-if depth > 0 and string.sub(follow, depth, depth) == '1' then
+-- `end:<block>`: the last block of a claim that owned it first, '0' until a claim went on past it
+-- ('1'). An owned prefix that ends there and that nothing went on from is one prompt's own history, a
+-- conversation's next turn: with `continued` it is followed whatever share of the request it covers.
+-- A system prompt went on to every conversation after the first; an inner block of a prompt whose
+-- tail aged out was never an end: neither is followed by this.
+local end_key = depth > 0 and ns .. 'end:' .. blocks[depth]
+if depth > 0 and (string.sub(follow, depth, depth) == '1'
+    or (ARGV[23] == '1' and redis.call('GET', end_key) == '0')) then
   chosen, followed = owners[depth], 1
 end
+if depth > 0 and depth < n then redis.call('SET', end_key, '1', 'XX') end
+if depth < n then redis.call('SET', ns .. 'end:' .. blocks[n], '0') end
 local sums, peer_order = peer_loads(me)
 -- A first placement (no prefix followed) is made here when the replica allows it (`room`: one bit
 -- per listed backend it may place on now, with their capacities): the listed backend whose cache
@@ -866,6 +876,7 @@ class SharedPlacement:
             request.room,
             _lines(int(c) for c in request.capacities),
             request.previous_end or "",
+            "1" if request.continued else "0",
         ]
         answer: ClaimAnswer | None = None
         try:

@@ -146,6 +146,19 @@ class Picker:
         it now: a candidate under max_inflight, as the prefix policy follows its own owners."""
         return backend_id in usable.members and load.load(backend_id) + 1 <= self._follow_limit
 
+    def may_follow_history(
+        self, backend_id: str, key: RoutingKey, usable: Candidates, load: LoadTracker
+    ) -> bool:
+        """May `backend_id`, which holds one prompt's own history the shared store followed under the
+        follow threshold (ClaimRequest.continued), take the request now: within the load bound, or up
+        to max_inflight where the requests in flight there leave KV room for it, as the prefix policy
+        admits its own index's owner of such a history (policies/prefix.py `admits`)."""
+        if not self.may_follow(backend_id, usable, load):
+            return False
+        if self.may_place((backend_id,), usable, load)[0]:
+            return True
+        return self._ledgers is not None and self._ledgers.free_now.get(backend_id, math.inf) >= key.size
+
     def may_place(self, backends: Iterable[str], usable: Candidates, load: LoadTracker) -> tuple[bool, ...]:
         """Which of `backends` a prefix nobody holds may go to now: candidates within the load bound,
         as the prefix policy places one (for the shared store, which makes first placements). The

@@ -2,7 +2,9 @@
 means for the decision. No I/O: the store client (prefix_router/fleet/shared_state.py) runs the claim.
 
 The claim is atomic in the store: the deepest block of the request that has a shared owner is found;
-when the follow table says that prefix covers enough of the request, the owner is chosen, else the
+when the follow table says that prefix covers enough of the request, or (`continued`) it ends where a
+prompt claimed before ended and nothing went on from there since (a conversation's next turn), the
+owner is chosen, else the
 backend this replica proposed; unowned blocks get the chosen backend as owner (the first writer wins,
 so two replicas never place one prefix twice), and the chosen backend's shared footprint is updated.
 Here the answer becomes the decision: the shared owner when this replica may send to it now, else the
@@ -51,6 +53,11 @@ class ClaimRequest:
     # With `room`: the previous turn's prompt end, when that prompt filled no block (nothing of it was
     # claimed) and this turn follows whoever took it (Picker.previous_end_followed); 0: none.
     previous_end: int = 0
+    # An owned prefix that ends where a prompt placed before ended, and that nothing went on from since
+    # (one prompt's own history: a conversation's next turn, its previous turn placed through another
+    # replica), is followed whatever share it covers, as one router follows a prompt its index saw
+    # placed and not branched (policies/prefix.py `_continues`): with cache room.
+    continued: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +160,7 @@ def claim_request(
         room if "1" in room else "",
         capacities if "1" in room else (),
         previous_end if "1" in room else 0,
+        picker.owner_rank is not None,
     )
 
 
@@ -252,6 +260,13 @@ def resolve(
     # A backend that cannot take requests (gone, ejected, draining) loses every block it owns here;
     # one that is only at its bound keeps what it held before this claim.
     return Resolution(instead, Takeover(chosen, instead.backend_id, after))
+
+
+def followed_history(request: ClaimRequest, answer: ClaimAnswer) -> bool:
+    """Did the store follow an owner for `continued` alone: a prompt's own history covering less of
+    the request than the follow table asks? Such an owner takes it as one router's own index owner of
+    that history would (Picker.may_follow_history), not up to max_inflight as a covering prefix's."""
+    return answer.followed and answer.depth > 0 and request.follow[answer.depth - 1] == "0"
 
 
 def stale_follow(local: Decision, answer: ClaimAnswer) -> bool:
