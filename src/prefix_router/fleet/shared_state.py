@@ -280,17 +280,18 @@ end
 # are not pinned on the chosen backend), the lifetime of the receipt of where they were pinned and of a
 # give-up (ms, GIVE_UP_SCRIPT), the listed backends a first placement may go to ('0'/'1' each; '': the
 # proposed backend stands) and their capacities, the end of the previous turn's prompt whose taker a first
-# placement follows ('': none), '1' when an owned prefix nothing else went on from is followed whatever share
-# it covers (ClaimRequest.continued). The reply is one newline-joined string: chosen, depth, followed, the
-# mark to wait for ('-' none), marked, the bytes this claim added to the chosen backend's footprint, which
-# listed backends also hold the prefix followed (one '0' or '1' each; '-' when none was followed), the backend
-# the request is counted on, which listed backends the fleet's counts put at the follow limit (bits again; '-'
-# without a limit), the bytes the request takes there (held for it), '1' if it went to the previous turn's
-# taker; bytes used, oldest use and entries of each listed backend; then backend and count pairs of the
-# others' in-flight requests, and 'held <backend>' and the bytes those hold there. The replica's own counts
-# are written with its request counted on the chosen backend, or, when that owner is at the follow limit, on
-# the first holder under it: where the replica will send it (routing/shared_view.py, `resolve`), so that the
-# claims other replicas make before this one's next write see it there.
+# placement follows ('': none), '1' when an owned prefix that ends where a claimed prompt ended, and that
+# nothing went on from since, is followed whatever share it covers (ClaimRequest.continued). The reply is one
+# newline-joined string: chosen, depth, followed, the mark to wait for ('-' none), marked, the bytes this
+# claim added to the chosen backend's footprint, which listed backends also hold the prefix followed (one '0'
+# or '1' each; '-' when none was followed), the backend the request is counted on, which listed backends the
+# fleet's counts put at the follow limit (bits again; '-' without a limit), the bytes the request takes there
+# (held for it), '1' if it went to the previous turn's taker; bytes used, oldest use and entries of each
+# listed backend; then backend and count pairs of the others' in-flight requests, and 'held <backend>' and the
+# bytes those hold there. The replica's own counts are written with its request counted on the chosen backend,
+# or, when that owner is at the follow limit, on the first holder under it: where the replica will send it
+# (routing/shared_view.py, `resolve`), so that the claims other replicas make before this one's next write see
+# it there.
 CLAIM_SCRIPT = (
     _RECORD
     + f"local FULL_SHARE = {FULL_SHARE!r}\n"

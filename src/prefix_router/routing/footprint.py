@@ -275,6 +275,10 @@ class FootprintLedgers:
         from it has no known limit."""
         return self._free_now
 
+    def has_room_now(self, backend_id: str, size: int) -> bool:
+        """Do the requests in flight on the backend leave KV room for a prompt of `size` bytes?"""
+        return self._free_now.get(backend_id, float("inf")) >= size
+
     def held_by_backend(self) -> dict[str, int]:
         """The bytes this replica's requests in flight hold, per backend holding any."""
         return {b: ledger.held_bytes for b, ledger in self._ledgers.items() if ledger.held_bytes > 0}

@@ -157,7 +157,7 @@ class Picker:
             return False
         if self.may_place((backend_id,), usable, load)[0]:
             return True
-        return self._ledgers is not None and self._ledgers.free_now.get(backend_id, math.inf) >= key.size
+        return self._ledgers is not None and self._ledgers.has_room_now(backend_id, key.size)
 
     def may_place(self, backends: Iterable[str], usable: Candidates, load: LoadTracker) -> tuple[bool, ...]:
         """Which of `backends` a prefix nobody holds may go to now: candidates within the load bound,

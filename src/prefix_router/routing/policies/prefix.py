@@ -344,7 +344,7 @@ class PrefixPolicy:
         """Do the requests in flight on the backend leave KV room for a prompt of `size` bytes (as a
         first placement by cache room asks)? Without it the request would queue there for room, and
         evict what other conversations left."""
-        return self._free_now.get(backend, _NO_LIMIT) >= size
+        return self._ledgers is None or self._ledgers.has_room_now(backend, size)
 
     def _holds(self, backend: str, block: int) -> bool:
         """Does a request in flight on the backend hold this block (without ledgers: assume so)?"""
